@@ -1,0 +1,58 @@
+//! Settings for `keygate serve`: flags, each also read from a `KEYGATE_*`
+//! environment variable, with defaults that run a local sidecar.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// How to reach NATS: an existing server or cluster, or one keygate runs.
+#[derive(Debug, Clone)]
+pub enum NatsTarget {
+    /// Connect to these servers (comma-separated URLs).
+    External { url: String, auth: NatsAuth },
+    /// Start and supervise a local `nats-server -js`.
+    Embedded {
+        binary: PathBuf,
+        store_dir: PathBuf,
+        /// 0 picks a free loopback port.
+        port: u16,
+    },
+}
+
+/// Credentials for an external NATS.
+#[derive(Debug, Clone, Default)]
+pub struct NatsAuth {
+    pub token: Option<String>,
+    pub user: Option<String>,
+    pub password: Option<String>,
+    pub creds_file: Option<PathBuf>,
+}
+
+/// Everything `keygate serve` runs with.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub listen: SocketAddr,
+    pub nats: NatsTarget,
+    /// Timeout of JetStream API requests and publish acks.
+    pub nats_timeout: Duration,
+    /// Most messages one batch publish may carry.
+    pub max_batch_messages: usize,
+    /// Largest request body accepted, in bytes.
+    pub max_body_bytes: usize,
+    /// Default ack wait of groups that do not set one.
+    pub default_ack_wait: Duration,
+}
+
+impl Settings {
+    /// Settings for tests and embedding: listen on loopback, talk to `url`.
+    pub fn for_nats_url(url: impl Into<String>) -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            nats: NatsTarget::External { url: url.into(), auth: NatsAuth::default() },
+            nats_timeout: Duration::from_secs(5),
+            max_batch_messages: 1000,
+            max_body_bytes: 16 * 1024 * 1024,
+            default_ack_wait: Duration::from_secs(5),
+        }
+    }
+}

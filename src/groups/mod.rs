@@ -1,0 +1,9 @@
+//! Partitioned consumer groups, wire-compatible with Go's pcgroups.
+
+pub mod admin;
+pub mod config;
+pub mod spec;
+pub mod view;
+
+pub use admin::GroupAdmin;
+pub use spec::{GroupConfig, GroupKind, GroupSpec};

@@ -1,0 +1,111 @@
+//! What the API answers about groups.
+
+use serde::Serialize;
+use time::OffsetDateTime;
+use utoipa::ToSchema;
+
+use super::spec::{GroupKind, PartitioningFilterSpec};
+
+/// A group: its configuration, who owns which partition, and live state.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct GroupView {
+    pub stream: String,
+    pub group: String,
+    pub kind: GroupKind,
+    /// The partition count.
+    pub partitions: u32,
+    /// Balanced members as configured (a set; order is not meaningful).
+    pub members: Vec<String>,
+    /// Explicit mappings, when the group uses them.
+    pub mappings: Option<Vec<OwnedPartitions>>,
+    /// Static: the subject filters members consume.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub filters: Option<Vec<String>>,
+    /// Elastic: the partitioning filters (`null` when every subject is hashed whole).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub partitioning_filters: Option<Option<Vec<PartitioningFilterSpec>>>,
+    /// Elastic: the work-queue stream's message cap (0: none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_buffered_msgs: Option<i64>,
+    /// Elastic: the work-queue stream's byte cap (0: none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_buffered_bytes: Option<i64>,
+    /// Elastic: the work-queue stream members consume from.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub work_queue_stream: Option<String>,
+    /// Ack wait of member consumers, in milliseconds (also the pin's TTL).
+    pub ack_wait_ms: u64,
+    /// Revision of the configuration in its KV bucket (for compare-and-set).
+    pub revision: u64,
+    /// The configuration exactly as stored in the pcgroups KV bucket.
+    #[schema(value_type = Object)]
+    pub config: serde_json::Value,
+    /// Per member: its partitions, its consumer and who holds its pin.
+    pub assignment: Vec<MemberState>,
+    /// Messages not yet acknowledged, per partition.
+    pub partition_pending: Vec<PartitionPending>,
+}
+
+/// One member's share of a group and its consumer's live state.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct MemberState {
+    pub member: String,
+    /// Partitions it owns, in filter order.
+    pub partitions: Vec<u32>,
+    /// Its consumer's name.
+    pub consumer: String,
+    /// Whether its consumer exists.
+    pub consumer_exists: bool,
+    /// pcgroups' notion of active: static, the consumer has waiting pulls;
+    /// elastic, the consumer exists.
+    pub active: bool,
+    /// Pull requests waiting on the consumer (instances currently pulling).
+    pub waiting_pulls: usize,
+    /// The pinned instance's id, if one holds the pin.
+    pub pinned_client_id: Option<String>,
+    /// Since when it holds the pin.
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub pinned_since: Option<OffsetDateTime>,
+    /// Messages matching its filters not yet delivered.
+    pub num_pending: u64,
+    /// Messages delivered and not yet acknowledged.
+    pub num_ack_pending: usize,
+}
+
+/// Backlog of one partition.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct PartitionPending {
+    pub partition: u32,
+    /// The member owning it (none when no member does).
+    pub member: Option<String>,
+    /// Messages not yet acknowledged by the owner.
+    pub pending: u64,
+}
+
+/// A group's name and flavour.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct GroupSummary {
+    pub group: String,
+    pub kind: GroupKind,
+}
+
+/// A group's membership after an edit.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct MembershipView {
+    /// Balanced members (a set; order is not meaningful).
+    pub members: Vec<String>,
+    /// Explicit mappings, when the group uses them.
+    pub mappings: Option<Vec<OwnedPartitions>>,
+    /// Who owns which partitions now.
+    pub ownership: Vec<OwnedPartitions>,
+    /// The new revision of the configuration.
+    pub revision: u64,
+}
+
+/// A member and partitions it owns.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, ToSchema)]
+pub struct OwnedPartitions {
+    pub member: String,
+    pub partitions: Vec<u32>,
+}

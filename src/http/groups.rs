@@ -1,0 +1,242 @@
+//! `/v1/streams/{stream}/groups`: partitioned consumer groups.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use serde::Deserialize;
+use utoipa::{IntoParams, ToSchema};
+
+use super::extract::{Json, Path, Query};
+use crate::app::AppState;
+use crate::error::{ApiError, Problem};
+use crate::groups::admin::PutOutcome;
+use crate::groups::config::MemberMapping;
+use crate::groups::spec::Mapping;
+use crate::groups::view::{GroupSummary, GroupView, MembershipView};
+use crate::groups::{GroupKind, GroupSpec};
+use crate::names::{GroupName, MemberName, StreamName};
+
+/// Picks the flavour when a name is used by both.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct KindQuery {
+    /// `static` or `elastic`.
+    pub kind: Option<GroupKind>,
+}
+
+/// Members to add.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AddMembers {
+    #[schema(value_type = Vec<String>, example = json!(["m3"]))]
+    pub members: Vec<MemberName>,
+}
+
+/// Explicit partition mappings.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SetMappings {
+    pub mappings: Vec<Mapping>,
+}
+
+/// Creates a static or elastic group (201), confirms an identical one (200),
+/// or, for an elastic group, updates its membership (200).
+///
+/// The configuration is stored in the pcgroups KV buckets exactly as the Go
+/// library writes it, so Go members can serve the group. The partition count,
+/// filters and buffer limits never change: 409, delete and recreate.
+#[utoipa::path(
+    put,
+    path = "/v1/streams/{stream}/groups/{group}",
+    tag = "groups",
+    params(("stream" = String, Path), ("group" = String, Path)),
+    request_body = GroupSpec,
+    responses(
+        (status = 201, description = "created", body = GroupView),
+        (status = 200, description = "exists (membership updated if it differed)", body = GroupView),
+        (status = 400, description = "invalid", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "unknown stream", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "conflicts with the existing group", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "the stream does not fit the group", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn put_group(
+    State(state): State<AppState>,
+    Path((stream, group)): Path<(StreamName, GroupName)>,
+    Json(spec): Json<GroupSpec>,
+) -> Result<(StatusCode, Json<GroupView>), ApiError> {
+    let membership_given = spec.members.is_some() || spec.mappings.is_some();
+    let ack_wait_ms = spec.ack_wait_ms;
+    let kind = spec.kind;
+    let config = spec.into_config()?;
+    let outcome = state.groups.put(&stream, &group, config, membership_given, ack_wait_ms).await?;
+    let view = state.groups.view(&stream, &group, Some(kind)).await?;
+    let status = if outcome == PutOutcome::Created { StatusCode::CREATED } else { StatusCode::OK };
+    Ok((status, Json(view)))
+}
+
+/// A group: configuration, member → partitions, consumers, pin holders and
+/// backlog per partition.
+#[utoipa::path(
+    get,
+    path = "/v1/streams/{stream}/groups/{group}",
+    tag = "groups",
+    params(("stream" = String, Path), ("group" = String, Path), KindQuery),
+    responses(
+        (status = 200, description = "the group", body = GroupView),
+        (status = 404, description = "unknown stream or group", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "both flavours use the name: pass kind", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn get_group(
+    State(state): State<AppState>,
+    Path((stream, group)): Path<(StreamName, GroupName)>,
+    Query(query): Query<KindQuery>,
+) -> Result<Json<GroupView>, ApiError> {
+    Ok(Json(state.groups.view(&stream, &group, query.kind).await?))
+}
+
+/// Deletes a group: its configuration and its consumers (static) or
+/// work-queue stream (elastic).
+#[utoipa::path(
+    delete,
+    path = "/v1/streams/{stream}/groups/{group}",
+    tag = "groups",
+    params(("stream" = String, Path), ("group" = String, Path), KindQuery),
+    responses(
+        (status = 204, description = "deleted"),
+        (status = 404, description = "unknown group", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn delete_group(
+    State(state): State<AppState>,
+    Path((stream, group)): Path<(StreamName, GroupName)>,
+    Query(query): Query<KindQuery>,
+) -> Result<StatusCode, ApiError> {
+    state.groups.delete(&stream, &group, query.kind).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// The groups on a stream, both flavours.
+#[utoipa::path(
+    get,
+    path = "/v1/streams/{stream}/groups",
+    tag = "groups",
+    params(("stream" = String, Path)),
+    responses(
+        (status = 200, description = "groups by name", body = Vec<GroupSummary>),
+        (status = 404, description = "unknown stream", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn list_groups(
+    State(state): State<AppState>,
+    Path(stream): Path<StreamName>,
+) -> Result<Json<Vec<GroupSummary>>, ApiError> {
+    Ok(Json(state.groups.list(&stream).await?))
+}
+
+/// Adds members to an elastic group; partitions are re-balanced live.
+#[utoipa::path(
+    post,
+    path = "/v1/streams/{stream}/groups/{group}/members",
+    tag = "groups",
+    params(("stream" = String, Path), ("group" = String, Path)),
+    request_body = AddMembers,
+    responses(
+        (status = 200, description = "the new membership", body = MembershipView),
+        (status = 404, description = "unknown group", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "static group, or the group uses mappings", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn add_members(
+    State(state): State<AppState>,
+    Path((stream, group)): Path<(StreamName, GroupName)>,
+    Json(body): Json<AddMembers>,
+) -> Result<Json<MembershipView>, ApiError> {
+    Ok(Json(state.groups.add_members(&stream, &group, &body.members).await?))
+}
+
+/// Drops a member from an elastic group; its partitions move to the others.
+#[utoipa::path(
+    delete,
+    path = "/v1/streams/{stream}/groups/{group}/members/{member}",
+    tag = "groups",
+    params(("stream" = String, Path), ("group" = String, Path), ("member" = String, Path)),
+    responses(
+        (status = 200, description = "the new membership", body = MembershipView),
+        (status = 404, description = "unknown group or member", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "static group, or the group uses mappings", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn drop_member(
+    State(state): State<AppState>,
+    Path((stream, group, member)): Path<(StreamName, GroupName, MemberName)>,
+) -> Result<Json<MembershipView>, ApiError> {
+    Ok(Json(state.groups.drop_member(&stream, &group, &member).await?))
+}
+
+/// Replaces an elastic group's membership with explicit mappings covering
+/// every partition exactly once.
+#[utoipa::path(
+    put,
+    path = "/v1/streams/{stream}/groups/{group}/mappings",
+    tag = "groups",
+    params(("stream" = String, Path), ("group" = String, Path)),
+    request_body = SetMappings,
+    responses(
+        (status = 200, description = "the new membership", body = MembershipView),
+        (status = 400, description = "mappings do not cover every partition once", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "unknown group", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "static group", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn put_mappings(
+    State(state): State<AppState>,
+    Path((stream, group)): Path<(StreamName, GroupName)>,
+    Json(body): Json<SetMappings>,
+) -> Result<Json<MembershipView>, ApiError> {
+    let mappings = body
+        .mappings
+        .into_iter()
+        .map(|m| MemberMapping { member: m.member.to_string(), partitions: Some(m.partitions) })
+        .collect();
+    Ok(Json(state.groups.set_mappings(&stream, &group, mappings).await?))
+}
+
+/// Removes an elastic group's mappings (it then has no members until some
+/// are added).
+#[utoipa::path(
+    delete,
+    path = "/v1/streams/{stream}/groups/{group}/mappings",
+    tag = "groups",
+    params(("stream" = String, Path), ("group" = String, Path)),
+    responses(
+        (status = 200, description = "the new membership", body = MembershipView),
+        (status = 404, description = "unknown group", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "static group", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn delete_mappings(
+    State(state): State<AppState>,
+    Path((stream, group)): Path<(StreamName, GroupName)>,
+) -> Result<Json<MembershipView>, ApiError> {
+    Ok(Json(state.groups.delete_mappings(&stream, &group).await?))
+}
+
+/// Unpins the member's current instance; a standby instance takes over.
+#[utoipa::path(
+    post,
+    path = "/v1/streams/{stream}/groups/{group}/members/{member}/step-down",
+    tag = "groups",
+    params(("stream" = String, Path), ("group" = String, Path), ("member" = String, Path)),
+    responses(
+        (status = 204, description = "unpinned"),
+        (status = 404, description = "unknown group or member, or no instance is serving it", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn step_down(
+    State(state): State<AppState>,
+    Path((stream, group, member)): Path<(StreamName, GroupName, MemberName)>,
+) -> Result<StatusCode, ApiError> {
+    state.groups.step_down(&stream, &group, &member).await?;
+    Ok(StatusCode::NO_CONTENT)
+}

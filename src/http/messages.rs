@@ -1,0 +1,99 @@
+//! `/v1/streams/{stream}/messages`: keyed publishing.
+
+use axum::extract::State;
+use axum::http::HeaderMap;
+
+use super::extract::{Json, Path};
+use crate::app::AppState;
+use crate::error::{ApiError, Problem};
+use crate::names::StreamName;
+use crate::publish::{self, BatchItem, BatchRequest, BatchResponse, PublishAck, PublishRequest};
+
+fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    match headers.get("idempotency-key") {
+        None => Ok(None),
+        Some(v) => v
+            .to_str()
+            .map(|s| Some(s.trim().to_owned()))
+            .map_err(|_| ApiError::BadRequest("the Idempotency-Key header must be visible ASCII".into())),
+    }
+}
+
+/// Publishes one keyed message; answers after JetStream has stored it.
+///
+/// The key fills the `*` of the stream's subject (keys that are not valid
+/// subject tokens are escaped reversibly). Without a key, messages are spread
+/// round-robin over the partitions. `Idempotency-Key` is the same as `msg_id`.
+#[utoipa::path(
+    post,
+    path = "/v1/streams/{stream}/messages",
+    tag = "messages",
+    params(
+        ("stream" = String, Path, description = "Stream name"),
+        ("Idempotency-Key" = Option<String>, Header, description = "De-duplication id (same as msg_id)")
+    ),
+    request_body = PublishRequest,
+    responses(
+        (status = 200, description = "stored (or a duplicate of a stored message)", body = PublishAck),
+        (status = 400, description = "invalid message", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "unknown stream", body = Problem, content_type = "application/problem+json"),
+        (status = 413, description = "larger than the server's max_payload", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "NATS unavailable", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn publish_message(
+    State(state): State<AppState>,
+    Path(stream): Path<StreamName>,
+    headers: HeaderMap,
+    Json(request): Json<PublishRequest>,
+) -> Result<Json<PublishAck>, ApiError> {
+    let key = idempotency_key(&headers)?;
+    let shape = state.streams.shape(&stream).await?;
+    let prepared = publish::prepare(&shape, request, key.as_deref(), state.max_payload())?;
+    let mut results = publish::publish_all(&state.js, stream.as_str(), vec![Ok(prepared)]).await;
+    results.pop().unwrap_or_else(|| Err(ApiError::Internal("no publish result".into()))).map(Json)
+}
+
+/// Publishes several messages with all acks in flight at once; answers each
+/// in order. One failing message does not fail the others.
+#[utoipa::path(
+    post,
+    path = "/v1/streams/{stream}/messages/batch",
+    tag = "messages",
+    params(("stream" = String, Path, description = "Stream name")),
+    request_body = BatchRequest,
+    responses(
+        (status = 200, description = "one result per message, in order", body = BatchResponse),
+        (status = 400, description = "invalid batch", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "unknown stream", body = Problem, content_type = "application/problem+json"),
+        (status = 413, description = "too many messages", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn publish_batch(
+    State(state): State<AppState>,
+    Path(stream): Path<StreamName>,
+    Json(batch): Json<BatchRequest>,
+) -> Result<Json<BatchResponse>, ApiError> {
+    let limit = state.settings.max_batch_messages;
+    if batch.messages.is_empty() {
+        return Err(ApiError::BadRequest("messages must hold at least one message".into()));
+    }
+    if batch.messages.len() > limit {
+        return Err(ApiError::PayloadTooLarge(format!(
+            "the batch has {} messages; at most {limit} are accepted",
+            batch.messages.len()
+        )));
+    }
+    let shape = state.streams.shape(&stream).await?;
+    let max_payload = state.max_payload();
+    let prepared = batch.messages.into_iter().map(|m| publish::prepare(&shape, m, None, max_payload)).collect();
+    let results = publish::publish_all(&state.js, stream.as_str(), prepared)
+        .await
+        .into_iter()
+        .map(|r| match r {
+            Ok(ack) => BatchItem::Ok(ack),
+            Err(e) => BatchItem::Err { error: e.problem() },
+        })
+        .collect();
+    Ok(Json(BatchResponse { results }))
+}

@@ -1,0 +1,73 @@
+//! The HTTP API: routes, the OpenAPI document generated from the handlers,
+//! and problem+json answers for anything that does not route.
+
+pub mod extract;
+pub mod groups;
+pub mod health;
+pub mod messages;
+pub mod streams;
+
+use axum::extract::DefaultBodyLimit;
+use axum::Router;
+use tower_http::trace::TraceLayer;
+use utoipa::OpenApi;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use crate::app::AppState;
+use crate::error::ApiError;
+
+/// The document's fixed parts; paths and schemas come from the handlers.
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "keygate",
+        description = "Kafka-style ordered-per-key processing on NATS JetStream for any HTTP or WebSocket client.",
+        license(name = "Apache-2.0")
+    ),
+    tags(
+        (name = "streams", description = "Streams, optionally partition-stamped"),
+        (name = "messages", description = "Keyed publishing"),
+        (name = "groups", description = "Partitioned consumer groups (pcgroups-compatible)"),
+        (name = "health", description = "Liveness and readiness")
+    )
+)]
+struct ApiDoc;
+
+/// The API routes and the OpenAPI document describing them.
+pub fn api() -> (Router<AppState>, utoipa::openapi::OpenApi) {
+    OpenApiRouter::with_openapi(ApiDoc::openapi())
+        .routes(routes!(health::healthz))
+        .routes(routes!(health::readyz))
+        .routes(routes!(streams::list_streams))
+        .routes(routes!(streams::put_stream, streams::get_stream, streams::delete_stream))
+        .routes(routes!(messages::publish_message))
+        .routes(routes!(messages::publish_batch))
+        .routes(routes!(groups::list_groups))
+        .routes(routes!(groups::put_group, groups::get_group, groups::delete_group))
+        .routes(routes!(groups::add_members))
+        .routes(routes!(groups::drop_member))
+        .routes(routes!(groups::put_mappings, groups::delete_mappings))
+        .routes(routes!(groups::step_down))
+        .split_for_parts()
+}
+
+/// The OpenAPI document as committed at `openapi/openapi.json`.
+pub fn openapi_json() -> String {
+    let (_, doc) = api();
+    let mut text = doc.to_pretty_json().expect("the OpenAPI document serializes");
+    text.push('\n');
+    text
+}
+
+/// The whole HTTP application.
+pub fn router(state: AppState) -> Router {
+    let (api, doc) = api();
+    let body_limit = state.settings.max_body_bytes;
+    api.merge(utoipa_swagger_ui::SwaggerUi::new("/docs").url("/openapi.json", doc))
+        .fallback(|| async { ApiError::NotFound("no such route".into()) })
+        .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed("method not allowed on this route".into()) })
+        .layer(DefaultBodyLimit::max(body_limit))
+        .layer(TraceLayer::new_for_http())
+        .with_state(state)
+}

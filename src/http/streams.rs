@@ -1,0 +1,91 @@
+//! `/v1/streams`: create, inspect, list and delete streams.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+
+use super::extract::{Json, Path};
+use crate::app::AppState;
+use crate::error::{ApiError, Problem};
+use crate::names::StreamName;
+use crate::streams::{StreamPutOutcome, StreamSpec, StreamView};
+
+/// Creates a stream (201), or confirms an identical one exists (200).
+///
+/// With `partitions`, every message is stamped with its key's partition by
+/// the server's subject transform (`orders.*` is stored as
+/// `<p>.orders.<key>`). A stream that exists with another configuration is a
+/// 409: the partition count never changes.
+#[utoipa::path(
+    put,
+    path = "/v1/streams/{stream}",
+    tag = "streams",
+    params(("stream" = String, Path, description = "Stream name")),
+    request_body = StreamSpec,
+    responses(
+        (status = 201, description = "created", body = StreamView),
+        (status = 200, description = "an identical stream exists", body = StreamView),
+        (status = 400, description = "invalid", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "exists with another configuration", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "NATS unavailable", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn put_stream(
+    State(state): State<AppState>,
+    Path(stream): Path<StreamName>,
+    Json(spec): Json<StreamSpec>,
+) -> Result<(StatusCode, Json<StreamView>), ApiError> {
+    let (outcome, view) = state.streams.put(&stream, &spec).await?;
+    let status = match outcome {
+        StreamPutOutcome::Created => StatusCode::CREATED,
+        StreamPutOutcome::Unchanged => StatusCode::OK,
+    };
+    Ok((status, Json(view)))
+}
+
+/// A stream's configuration, partition count and message counts.
+#[utoipa::path(
+    get,
+    path = "/v1/streams/{stream}",
+    tag = "streams",
+    params(("stream" = String, Path, description = "Stream name")),
+    responses(
+        (status = 200, description = "the stream", body = StreamView),
+        (status = 404, description = "unknown stream", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn get_stream(
+    State(state): State<AppState>,
+    Path(stream): Path<StreamName>,
+) -> Result<Json<StreamView>, ApiError> {
+    Ok(Json(state.streams.get(&stream).await?))
+}
+
+/// Deletes a stream and every message in it.
+#[utoipa::path(
+    delete,
+    path = "/v1/streams/{stream}",
+    tag = "streams",
+    params(("stream" = String, Path, description = "Stream name")),
+    responses(
+        (status = 204, description = "deleted"),
+        (status = 404, description = "unknown stream", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn delete_stream(
+    State(state): State<AppState>,
+    Path(stream): Path<StreamName>,
+) -> Result<StatusCode, ApiError> {
+    state.streams.delete(&stream).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Every stream on the server.
+#[utoipa::path(
+    get,
+    path = "/v1/streams",
+    tag = "streams",
+    responses((status = 200, description = "streams by name", body = Vec<StreamView>))
+)]
+pub async fn list_streams(State(state): State<AppState>) -> Result<Json<Vec<StreamView>>, ApiError> {
+    Ok(Json(state.streams.list().await?))
+}

@@ -1,0 +1,16 @@
+//! keygate: Kafka-style ordered-per-key processing on NATS JetStream for any
+//! HTTP or WebSocket client.
+
+pub mod app;
+pub mod config;
+pub mod error;
+pub mod groups;
+pub mod http;
+pub mod names;
+pub mod nats;
+pub mod partition;
+pub mod publish;
+pub mod streams;
+
+pub use app::{run, AppState};
+pub use config::Settings;

@@ -1,0 +1,182 @@
+//! The `keygate` command line: parses arguments and calls the library.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand, ValueEnum};
+use keygate::config::{NatsAuth, NatsTarget, Settings};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
+
+#[derive(Parser)]
+#[command(
+    name = "keygate",
+    version,
+    about = "Ordered-per-key processing on NATS JetStream for HTTP and WebSocket clients"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the HTTP API (and, without --nats-url, a local nats-server).
+    Serve(ServeArgs),
+    /// Print the OpenAPI document (or write it to a file).
+    Openapi {
+        /// Write here instead of standard output.
+        #[arg(long)]
+        output: Option<PathBuf>,
+    },
+    /// Exit 0 when a running keygate answers /healthz (for container health checks).
+    Healthcheck {
+        #[arg(long, env = "KEYGATE_LISTEN", default_value = "127.0.0.1:8080")]
+        listen: SocketAddr,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Pretty,
+    Json,
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// Address the HTTP API listens on.
+    #[arg(long, env = "KEYGATE_LISTEN", default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    /// NATS server or cluster URLs, comma-separated. Omitted: keygate runs its own nats-server.
+    #[arg(long, env = "KEYGATE_NATS_URL")]
+    nats_url: Option<String>,
+    /// Token for --nats-url.
+    #[arg(long, env = "KEYGATE_NATS_TOKEN", hide_env_values = true)]
+    nats_token: Option<String>,
+    /// User for --nats-url.
+    #[arg(long, env = "KEYGATE_NATS_USER", requires = "nats_password")]
+    nats_user: Option<String>,
+    /// Password for --nats-url.
+    #[arg(long, env = "KEYGATE_NATS_PASSWORD", hide_env_values = true, requires = "nats_user")]
+    nats_password: Option<String>,
+    /// A .creds file (JWT + NKey) for --nats-url.
+    #[arg(long, env = "KEYGATE_NATS_CREDS")]
+    nats_creds: Option<PathBuf>,
+    /// Where the embedded nats-server keeps its JetStream store.
+    #[arg(long, env = "KEYGATE_DATA_DIR", default_value = "./keygate-data")]
+    data_dir: PathBuf,
+    /// The nats-server binary for the embedded server.
+    #[arg(long, env = "KEYGATE_NATS_SERVER_BIN", default_value = "nats-server")]
+    nats_server_bin: PathBuf,
+    /// Port of the embedded nats-server on 127.0.0.1 (0: any free port).
+    #[arg(long, env = "KEYGATE_EMBEDDED_NATS_PORT", default_value_t = 0)]
+    embedded_nats_port: u16,
+    /// Timeout of JetStream requests and publish acks, in milliseconds.
+    #[arg(long, env = "KEYGATE_NATS_TIMEOUT_MS", default_value_t = 5000)]
+    nats_timeout_ms: u64,
+    /// Most messages in one batch publish.
+    #[arg(long, env = "KEYGATE_MAX_BATCH_MESSAGES", default_value_t = 1000)]
+    max_batch_messages: usize,
+    /// Largest request body, in bytes.
+    #[arg(long, env = "KEYGATE_MAX_BODY_BYTES", default_value_t = 16 * 1024 * 1024)]
+    max_body_bytes: usize,
+    /// Log format.
+    #[arg(long, env = "KEYGATE_LOG_FORMAT", value_enum, default_value = "pretty")]
+    log_format: LogFormat,
+}
+
+impl ServeArgs {
+    fn settings(&self) -> Settings {
+        let nats = match &self.nats_url {
+            Some(url) => NatsTarget::External {
+                url: url.clone(),
+                auth: NatsAuth {
+                    token: self.nats_token.clone(),
+                    user: self.nats_user.clone(),
+                    password: self.nats_password.clone(),
+                    creds_file: self.nats_creds.clone(),
+                },
+            },
+            None => NatsTarget::Embedded {
+                binary: self.nats_server_bin.clone(),
+                store_dir: self.data_dir.join("nats"),
+                port: self.embedded_nats_port,
+            },
+        };
+        Settings {
+            listen: self.listen,
+            nats,
+            nats_timeout: Duration::from_millis(self.nats_timeout_ms.max(1)),
+            max_batch_messages: self.max_batch_messages.max(1),
+            max_body_bytes: self.max_body_bytes,
+            ..Settings::for_nats_url("")
+        }
+    }
+}
+
+fn init_logs(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KEYGATE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    match format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Pretty => builder.init(),
+    }
+}
+
+async fn shutdown_signal(token: CancellationToken) {
+    let ctrl_c = tokio::signal::ctrl_c();
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term.recv() => {}
+    }
+    token.cancel();
+}
+
+async fn healthcheck(listen: SocketAddr) -> anyhow::Result<()> {
+    let addr = if listen.ip().is_unspecified() { SocketAddr::from(([127, 0, 0, 1], listen.port())) } else { listen };
+    let mut stream = tokio::time::timeout(Duration::from_secs(3), tokio::net::TcpStream::connect(addr))
+        .await
+        .context("timed out connecting")??;
+    stream.write_all(b"GET /healthz HTTP/1.0\r\nHost: keygate\r\n\r\n").await?;
+    let mut reply = Vec::new();
+    tokio::time::timeout(Duration::from_secs(3), stream.read_to_end(&mut reply))
+        .await
+        .context("timed out reading")??;
+    let status_line = String::from_utf8_lossy(&reply).lines().next().unwrap_or_default().to_owned();
+    anyhow::ensure!(status_line.contains(" 200 "), "unhealthy: {status_line}");
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Serve(args) => {
+            init_logs(args.log_format);
+            let settings = args.settings();
+            let listener = tokio::net::TcpListener::bind(settings.listen)
+                .await
+                .with_context(|| format!("listening on {}", settings.listen))?;
+            let token = CancellationToken::new();
+            tokio::spawn(shutdown_signal(token.clone()));
+            if let Err(e) = keygate::run(settings, listener, token).await {
+                eprintln!("keygate: {e:#}");
+                std::process::exit(1);
+            }
+            Ok(())
+        }
+        Command::Openapi { output } => {
+            let doc = keygate::http::openapi_json();
+            match output {
+                Some(path) => std::fs::write(&path, doc).with_context(|| format!("writing {}", path.display()))?,
+                None => print!("{doc}"),
+            }
+            Ok(())
+        }
+        Command::Healthcheck { listen } => healthcheck(listen).await,
+    }
+}

@@ -1,0 +1,53 @@
+//! Connecting to NATS with the configured credentials.
+
+use std::time::Duration;
+
+use anyhow::Context as _;
+
+use crate::config::NatsAuth;
+
+/// Connects to `url`, retrying in the background when the servers are not up
+/// yet, so keygate starts and reports not-ready instead of exiting.
+pub async fn connect(url: &str, auth: &NatsAuth) -> anyhow::Result<async_nats::Client> {
+    let mut options = async_nats::ConnectOptions::new()
+        .name("keygate")
+        .retry_on_initial_connect()
+        .connection_timeout(Duration::from_secs(5))
+        .request_timeout(Some(Duration::from_secs(5)))
+        .event_callback(|event| async move {
+            match event {
+                async_nats::Event::Connected => tracing::info!("connected to NATS"),
+                async_nats::Event::Disconnected => tracing::warn!("disconnected from NATS"),
+                other => tracing::debug!(event = %other, "NATS event"),
+            }
+        });
+    if let Some(token) = &auth.token {
+        options = options.token(token.clone());
+    }
+    if let (Some(user), Some(password)) = (&auth.user, &auth.password) {
+        options = options.user_and_password(user.clone(), password.clone());
+    }
+    if let Some(path) = &auth.creds_file {
+        options = options
+            .credentials_file(path)
+            .await
+            .with_context(|| format!("reading NATS credentials file {}", path.display()))?;
+    }
+    let urls: Vec<async_nats::ServerAddr> = url
+        .split(',')
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .map(|u| u.parse().with_context(|| format!("invalid NATS URL {u:?}")))
+        .collect::<anyhow::Result<_>>()?;
+    anyhow::ensure!(!urls.is_empty(), "no NATS URL given");
+    options.connect(urls).await.context("connecting to NATS")
+}
+
+/// A JetStream context sized for pipelined publishing.
+pub fn jetstream(client: async_nats::Client, timeout: Duration) -> async_nats::jetstream::Context {
+    async_nats::jetstream::ContextBuilder::new()
+        .timeout(timeout)
+        .max_ack_inflight(65_536)
+        .backpressure_on_inflight(true)
+        .build(client)
+}

@@ -1,0 +1,332 @@
+//! Keyed publishing: a REST message becomes a subject, headers and payload,
+//! is published to JetStream, and is answered after the JetStream ack with
+//! the partition the server stamped.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+
+use async_nats::jetstream::{self, message::PublishMessage};
+use async_nats::HeaderMap;
+use base64::Engine as _;
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+use utoipa::ToSchema;
+
+use crate::error::{ApiError, Problem};
+use crate::nats::errors::unavailable_or_internal;
+use crate::partition::{decode_key, encode_key, keyless_token, SubjectPattern};
+use crate::streams::StreamShape;
+
+/// Header values: one string or several.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum HeaderValues {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// One message to publish.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PublishRequest {
+    /// The message key: any UTF-8 text. Messages with one key land in one
+    /// partition and are delivered in order. Omitted: spread round-robin.
+    #[serde(default)]
+    #[schema(example = "alice")]
+    pub key: Option<String>,
+    /// A literal subject, or a pattern with one `*` the key fills. Default:
+    /// the stream's subject.
+    #[serde(default)]
+    pub subject: Option<String>,
+    /// The payload as JSON (stored byte for byte as sent).
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub data: Option<Box<RawValue>>,
+    /// Or the payload as base64 bytes.
+    #[serde(default)]
+    pub data_base64: Option<String>,
+    /// Content type to record with the payload (default `application/json`
+    /// for `data`).
+    #[serde(default)]
+    pub content_type: Option<String>,
+    /// Message headers. Names starting with `Nats-` are reserved.
+    #[serde(default)]
+    #[schema(value_type = Option<BTreeMap<String, Object>>)]
+    pub headers: Option<BTreeMap<String, HeaderValues>>,
+    /// De-duplication id (`Nats-Msg-Id`): a repeat within the stream's
+    /// duplicate window is stored once and answered with `duplicate: true`.
+    #[serde(default)]
+    pub msg_id: Option<String>,
+}
+
+/// Several messages in one request.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BatchRequest {
+    pub messages: Vec<PublishRequest>,
+}
+
+/// Where a message was stored.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct PublishAck {
+    pub stream: String,
+    /// Stream sequence.
+    pub seq: u64,
+    /// The subject published (without the partition token the stream adds).
+    pub subject: String,
+    /// The partition the stream stamped, when it stamps partitions.
+    pub partition: Option<u32>,
+    /// The message key (`null` for keyless messages).
+    pub key: Option<String>,
+    /// True when `msg_id` was seen before and nothing new was stored.
+    pub duplicate: bool,
+}
+
+/// One item of a batch answer: the ack or the problem.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(untagged)]
+pub enum BatchItem {
+    Ok(PublishAck),
+    Err { error: Problem },
+}
+
+/// Answers to a batch, in request order.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct BatchResponse {
+    pub results: Vec<BatchItem>,
+}
+
+/// A message ready to go to JetStream.
+pub struct Prepared {
+    pub subject: String,
+    pub partition: Option<u32>,
+    pub key: Option<String>,
+    publish: PublishMessage,
+}
+
+const RESERVED_HEADER_PREFIX: &str = "nats-";
+const MAX_MSG_ID: usize = 256;
+
+/// Turns a request into a subject, headers and payload, or says what is wrong.
+pub fn prepare(
+    shape: &StreamShape,
+    request: PublishRequest,
+    idempotency_key: Option<&str>,
+    max_payload: usize,
+) -> Result<Prepared, ApiError> {
+    let bad = |m: String| ApiError::BadRequest(m);
+    let (subject, key) = resolve_subject(shape, request.key.as_deref(), request.subject.as_deref())?;
+    let partition = match &shape.stamping {
+        Some((source, spec)) => Some(
+            spec.partition_of_subject(source, &subject)
+                .ok_or_else(|| bad(format!("subject {subject:?} is not stamped by stream {}", shape.name)))?,
+        ),
+        None => None,
+    };
+
+    let mut headers = HeaderMap::new();
+    let mut header_bytes = 0usize;
+    let mut has_content_type = false;
+    for (name, values) in request.headers.into_iter().flatten() {
+        if name.is_empty() || name.bytes().any(|b| !(33..=126).contains(&b) || b == b':') {
+            return Err(bad(format!("header name {name:?} is invalid")));
+        }
+        if name.to_ascii_lowercase().starts_with(RESERVED_HEADER_PREFIX) {
+            return Err(bad(format!("header {name:?} is reserved; use msg_id for de-duplication")));
+        }
+        has_content_type |= name.eq_ignore_ascii_case("content-type");
+        let values = match values {
+            HeaderValues::One(v) => vec![v],
+            HeaderValues::Many(v) => v,
+        };
+        for value in values {
+            if value.contains(['\r', '\n']) {
+                return Err(bad(format!("header {name:?} has a line break in its value")));
+            }
+            header_bytes += name.len() + value.len() + 4;
+            headers.append(name.as_str(), value.as_str());
+        }
+    }
+
+    let payload = match (request.data, request.data_base64) {
+        (Some(_), Some(_)) => return Err(bad("give data or data_base64, not both".into())),
+        (Some(json), None) => {
+            if !has_content_type && request.content_type.is_none() {
+                headers.insert("Content-Type", "application/json");
+            }
+            Bytes::copy_from_slice(json.get().as_bytes())
+        }
+        (None, Some(b64)) => Bytes::from(
+            base64::engine::general_purpose::STANDARD
+                .decode(b64.trim())
+                .map_err(|e| bad(format!("data_base64 is not valid base64: {e}")))?,
+        ),
+        (None, None) => Bytes::new(),
+    };
+    if let Some(ct) = &request.content_type {
+        if has_content_type {
+            return Err(bad("give content_type or a Content-Type header, not both".into()));
+        }
+        if ct.contains(['\r', '\n']) {
+            return Err(bad("content_type has a line break".into()));
+        }
+        headers.insert("Content-Type", ct.as_str());
+    }
+
+    let msg_id = match (request.msg_id.as_deref(), idempotency_key) {
+        (Some(a), Some(b)) if a != b => return Err(bad("msg_id and the Idempotency-Key header differ".into())),
+        (a, b) => a.or(b),
+    };
+    let mut publish = PublishMessage::build().expected_stream(&shape.name);
+    if let Some(id) = msg_id {
+        if id.is_empty() || id.len() > MAX_MSG_ID || id.contains(['\r', '\n']) {
+            return Err(bad(format!("msg_id must be 1 to {MAX_MSG_ID} characters on one line")));
+        }
+        header_bytes += id.len() + 16;
+        publish = publish.message_id(id);
+    }
+    let size = payload.len() + header_bytes + subject.len();
+    if size > max_payload {
+        return Err(ApiError::PayloadTooLarge(format!(
+            "the message is {size} bytes with headers; the server accepts at most {max_payload}"
+        )));
+    }
+    for (name, values) in headers.iter() {
+        for value in values {
+            publish = publish.header(name.clone(), value.clone());
+        }
+    }
+    Ok(Prepared { subject, partition, key, publish: publish.payload(payload) })
+}
+
+/// The subject a message goes to and the key it carries.
+fn resolve_subject(
+    shape: &StreamShape,
+    key: Option<&str>,
+    subject: Option<&str>,
+) -> Result<(String, Option<String>), ApiError> {
+    let bad = |m: String| ApiError::BadRequest(m);
+    let template = match subject {
+        Some(s) => SubjectPattern::parse(s).map_err(|e| bad(e.to_string()))?,
+        None => match shape.patterns.as_slice() {
+            [only] => only.clone(),
+            [] => return Err(bad(format!("stream {} has no subjects to publish to", shape.name))),
+            _ => return Err(bad(format!("stream {} has several subjects: give subject", shape.name))),
+        },
+    };
+    if template.has_tail() {
+        return Err(bad(format!(
+            "subject {:?} ends in >: give a literal subject, or one with a single * for the key",
+            template.as_string()
+        )));
+    }
+    let stars = template.star_count();
+    let subject = match (stars, key) {
+        (0, None) => template.as_string(),
+        (0, Some(_)) => {
+            return Err(bad(format!(
+                "subject {:?} has no * for the key to fill; drop the key or put a * where it goes",
+                template.as_string()
+            )))
+        }
+        (1, Some(k)) => fill(&template, &encode_key(k).map_err(|e| bad(e.to_string()))?),
+        (1, None) => keyless_subject(shape, &template),
+        (n, _) => {
+            return Err(bad(format!(
+                "subject {:?} has {n} wildcards; give a subject with the other tokens filled and one * for the key",
+                template.as_string()
+            )))
+        }
+    };
+    if !shape.patterns.iter().any(|p| p.captures(&subject).is_some()) {
+        return Err(bad(format!(
+            "subject {subject:?} is not one of stream {}'s subjects ({})",
+            shape.name,
+            shape.patterns.iter().map(SubjectPattern::as_string).collect::<Vec<_>>().join(", ")
+        )));
+    }
+    let key = key.map(str::to_owned).or_else(|| {
+        // A literal subject's key is its token in the key position, if any.
+        let (source, spec) = shape.stamping.as_ref()?;
+        let captured = source.captures(&subject)?;
+        match spec.wildcards.as_slice() {
+            [w] => decode_key(captured.get((*w as usize).checked_sub(1)?)?),
+            _ => None,
+        }
+    });
+    Ok((subject, key))
+}
+
+fn fill(template: &SubjectPattern, token: &str) -> String {
+    template.as_string().split('.').map(|t| if t == "*" { token } else { t }).collect::<Vec<_>>().join(".")
+}
+
+/// A keyless message gets a marker token chosen so that successive keyless
+/// messages land on successive partitions.
+fn keyless_subject(shape: &StreamShape, template: &SubjectPattern) -> String {
+    let Some((source, spec)) = &shape.stamping else {
+        return fill(template, &keyless_token(shape.keyless_counter.fetch_add(1, Ordering::Relaxed)));
+    };
+    let target = (shape.next_partition.fetch_add(1, Ordering::Relaxed) % spec.partitions as u64) as u32;
+    let mut subject = String::new();
+    // Expected tries are the partition count; give up (any partition will
+    // do) if the marker's position does not take part in the hash.
+    for _ in 0..(spec.partitions as usize * 32).max(64) {
+        let n = shape.keyless_counter.fetch_add(1, Ordering::Relaxed);
+        subject = fill(template, &keyless_token(n));
+        if spec.partition_of_subject(source, &subject) == Some(target) {
+            break;
+        }
+    }
+    subject
+}
+
+/// Publishes prepared messages with every ack in flight at once and answers
+/// in order; one failure does not fail the others.
+pub async fn publish_all(
+    js: &jetstream::Context,
+    stream: &str,
+    prepared: Vec<Result<Prepared, ApiError>>,
+) -> Vec<Result<PublishAck, ApiError>> {
+    let mut pending = Vec::with_capacity(prepared.len());
+    for item in prepared {
+        match item {
+            Ok(p) => {
+                let sent = js.send_publish(p.subject.clone(), p.publish).await;
+                pending.push(Ok((p.subject, p.partition, p.key, sent)));
+            }
+            Err(e) => pending.push(Err(e)),
+        }
+    }
+    let acks = pending.into_iter().map(|item| async move {
+        let (subject, partition, key, sent) = item?;
+        let ack = sent.map_err(publish_error)?.await.map_err(publish_error)?;
+        if ack.stream != stream {
+            return Err(ApiError::Internal(format!("message stored in stream {} instead of {stream}", ack.stream)));
+        }
+        Ok(PublishAck { stream: ack.stream, seq: ack.sequence, subject, partition, key, duplicate: ack.duplicate })
+    });
+    futures::future::join_all(acks).await
+}
+
+fn publish_error(e: jetstream::context::PublishError) -> ApiError {
+    use jetstream::context::PublishErrorKind as K;
+    match e.kind() {
+        K::MaxPayloadExceeded => ApiError::PayloadTooLarge("the message exceeds the server's max_payload".into()),
+        K::StreamNotFound => ApiError::Unavailable("no stream answered for the subject; retry".into()),
+        K::TimedOut | K::BrokenPipe | K::MaxAckPending => ApiError::Unavailable(format!(
+            "JetStream did not acknowledge the message ({e}); retry, with msg_id to avoid duplicates"
+        )),
+        _ => {
+            let text = e.to_string();
+            if text.contains("10060") || text.contains("expected stream") {
+                ApiError::BadRequest(format!("the subject belongs to another stream: {text}"))
+            } else if text.contains("maximum") || text.contains("limit") || text.contains("10077") {
+                ApiError::Unavailable(format!("the stream refused the message: {text}"))
+            } else {
+                unavailable_or_internal("publishing", e)
+            }
+        }
+    }
+}
