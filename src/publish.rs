@@ -178,13 +178,11 @@ pub fn prepare(
         (Some(a), Some(b)) if a != b => return Err(bad("msg_id and the Idempotency-Key header differ".into())),
         (a, b) => a.or(b),
     };
-    let mut publish = PublishMessage::build().expected_stream(&shape.name);
     if let Some(id) = msg_id {
         if id.is_empty() || id.len() > MAX_MSG_ID || id.contains(['\r', '\n']) {
             return Err(bad(format!("msg_id must be 1 to {MAX_MSG_ID} characters on one line")));
         }
         header_bytes += id.len() + 16;
-        publish = publish.message_id(id);
     }
     let size = payload.len() + header_bytes + subject.len();
     if size > max_payload {
@@ -192,10 +190,10 @@ pub fn prepare(
             "the message is {size} bytes with headers; the server accepts at most {max_payload}"
         )));
     }
-    for (name, values) in headers.iter() {
-        for value in values {
-            publish = publish.header(name.clone(), value.clone());
-        }
+    // The user's headers first (keeping repeated values), then keygate's own.
+    let mut publish = PublishMessage::build().headers(headers).expected_stream(&shape.name);
+    if let Some(id) = msg_id {
+        publish = publish.message_id(id);
     }
     Ok(Prepared { subject, partition, key, publish: publish.payload(payload) })
 }

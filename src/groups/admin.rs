@@ -27,7 +27,7 @@ use crate::partition::{PartitionSpec, SubjectPattern, TransformSpelling};
 pub const SETTINGS_BUCKET: &str = "keygate-groups";
 /// Ack wait when a group does not set one (pcgroups' default).
 pub const DEFAULT_ACK_WAIT_MS: u64 = 5_000;
-const CAS_ATTEMPTS: usize = 8;
+const CAS_ATTEMPTS: usize = 32;
 
 /// Per-group settings kept in keygate's own bucket.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -167,9 +167,6 @@ impl GroupAdmin {
                 other.as_str()
             )));
         }
-        if let GroupConfig::Static(c) = &config {
-            check_static_stream(&info, c.max_members)?;
-        }
         let settings = GroupSettings { ack_wait_ms };
         let key = config_key(stream.as_str(), group.as_str());
         let bucket_name = match kind {
@@ -180,6 +177,9 @@ impl GroupAdmin {
         let outcome = match self.read(kind, stream.as_str(), group.as_str()).await? {
             Some(existing) => self.reconcile(&store, &key, existing, &config, membership_given).await?,
             None => {
+                if let GroupConfig::Static(c) = &config {
+                    check_static_stream(&info, c.max_members)?;
+                }
                 let value = config_bytes(&config);
                 match store.create(&key, value).await {
                     Ok(_) => PutOutcome::Created,
@@ -514,7 +514,12 @@ impl GroupAdmin {
                     let config = GroupConfig::Elastic(config);
                     return Ok(membership_view(&config, revision));
                 }
-                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
+                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                    // Someone else edited first: back off a little, re-read, re-apply.
+                    let jitter = Duration::from_millis(rand::random_range(1..20));
+                    tokio::time::sleep(jitter).await;
+                    continue;
+                }
                 Err(e) => return Err(unavailable_or_internal("updating group", e)),
             }
         }

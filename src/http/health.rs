@@ -3,17 +3,17 @@
 use std::time::Duration;
 
 use axum::extract::State;
-use axum::http::StatusCode;
 use serde::Serialize;
 use utoipa::ToSchema;
 
 use super::extract::Json;
 use crate::app::AppState;
+use crate::error::ApiError;
 
 /// Readiness details.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct Readiness {
-    /// `ready` or `not ready`.
+    /// `ready`.
     pub status: String,
     /// Whether the NATS connection is up.
     pub nats_connected: bool,
@@ -34,15 +34,16 @@ pub async fn healthz() -> &'static str {
     tag = "health",
     responses(
         (status = 200, description = "ready", body = Readiness),
-        (status = 503, description = "not ready", body = Readiness)
+        (status = 503, description = "not ready", body = crate::error::Problem, content_type = "application/problem+json")
     )
 )]
-pub async fn readyz(State(state): State<AppState>) -> (StatusCode, Json<Readiness>) {
-    let nats_connected = state.nats.connection_state() == async_nats::connection::State::Connected;
-    let jetstream = nats_connected
-        && matches!(tokio::time::timeout(Duration::from_secs(2), state.js.query_account()).await, Ok(Ok(_)));
-    let ready = nats_connected && jetstream;
-    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    let text = if ready { "ready" } else { "not ready" };
-    (status, Json(Readiness { status: text.into(), nats_connected, jetstream }))
+pub async fn readyz(State(state): State<AppState>) -> Result<Json<Readiness>, ApiError> {
+    if state.nats.connection_state() != async_nats::connection::State::Connected {
+        return Err(ApiError::Unavailable("not ready: NATS is not connected".into()));
+    }
+    match tokio::time::timeout(Duration::from_secs(2), state.js.query_account()).await {
+        Ok(Ok(_)) => Ok(Json(Readiness { status: "ready".into(), nats_connected: true, jetstream: true })),
+        Ok(Err(e)) => Err(ApiError::Unavailable(format!("not ready: JetStream did not answer ({e})"))),
+        Err(_) => Err(ApiError::Unavailable("not ready: JetStream did not answer within 2 s".into())),
+    }
 }

@@ -1,1 +1,9 @@
+//! Integration tests: keygate against a real nats-server.
 
+mod errors;
+mod groups;
+mod openapi;
+mod publish;
+mod serve;
+mod streams;
+mod support;

@@ -1,0 +1,67 @@
+use serde_json::json;
+
+use crate::support::{into_parts, TestApp};
+
+#[tokio::test]
+async fn axum_rejections_are_problem_json() {
+    let app = TestApp::start().await;
+    app.create_stream("S", json!({"subjects":["s.*"],"partitions":2})).await;
+    let url = app.url("/v1/streams/S/messages");
+
+    let plain = app.http.post(&url).header("content-type", "text/plain").body("{}").send().await.unwrap();
+    assert_eq!(into_parts(plain).await.0, 415);
+    let malformed = app.http.post(&url).header("content-type", "application/json").body("{oops").send().await.unwrap();
+    assert_eq!(into_parts(malformed).await.0, 400);
+    let wrong_type = app.http.post(&url).json(&json!({"key": 5})).send().await.unwrap();
+    assert_eq!(into_parts(wrong_type).await.0, 400);
+    let huge = app
+        .http
+        .post(&url)
+        .header("content-type", "application/json")
+        .body(vec![b' '; 17 * 1024 * 1024])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(into_parts(huge).await.0, 413);
+
+    let (status, _) = app.get("/v1/nothing/here").await;
+    assert_eq!(status, 404);
+    let patch = app.http.patch(app.url("/v1/streams/S")).send().await.unwrap();
+    assert_eq!(into_parts(patch).await.0, 405);
+    let (status, problem) = app.get("/v1/streams/bad%20name").await;
+    assert_eq!(status, 400);
+    assert!(problem["detail"].as_str().unwrap().contains("stream name"), "{problem}");
+    let (status, _) = app.get("/v1/streams/S/groups/g?kind=weird").await;
+    assert_eq!(status, 400);
+}
+
+#[tokio::test]
+async fn too_many_messages_in_a_batch_is_413_and_stores_nothing() {
+    let app = TestApp::start_with(|s| s.max_batch_messages = 3).await;
+    app.create_stream("S", json!({"subjects":["s.*"],"partitions":2})).await;
+    let messages: Vec<_> = (0..4).map(|i| json!({"key": format!("k{i}")})).collect();
+    let (status, _) = app.post("/v1/streams/S/messages/batch", json!({"messages": messages})).await;
+    assert_eq!(status, 413);
+    let (status, _) = app.post("/v1/streams/S/messages/batch", json!({"messages": []})).await;
+    assert_eq!(status, 400);
+    let (_, view) = app.get("/v1/streams/S").await;
+    assert_eq!(view["messages"], 0);
+}
+
+#[tokio::test]
+async fn nats_going_away_is_503_and_readyz_says_not_ready() {
+    let mut app = TestApp::start().await;
+    app.create_stream("S", json!({"subjects":["s.*"],"partitions":2})).await;
+    let (status, _) = app.get("/readyz").await;
+    assert_eq!(status, 200);
+    drop(std::mem::replace(&mut app.nats_server, crate::support::NatsServer::start()));
+    let (status, body) = crate::support::eventually(std::time::Duration::from_secs(10), || async {
+        let r = app.get("/readyz").await;
+        (r.0 == 503).then_some(r)
+    })
+    .await;
+    assert_eq!(status, 503);
+    assert!(body["detail"].as_str().unwrap().contains("not ready"), "{body}");
+    let (status, _) = app.get("/v1/streams/S").await;
+    assert_eq!(status, 503);
+}

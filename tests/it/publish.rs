@@ -1,0 +1,261 @@
+use std::collections::BTreeMap;
+
+use base64::Engine as _;
+use serde_json::{json, Value};
+
+use crate::support::TestApp;
+
+/// 1,000+ keys of every kind a user may send: ASCII, unicode, emoji, long,
+/// and keys that need escaping, plus the server-read vectors' keys.
+fn parity_keys() -> Vec<String> {
+    let mut keys: Vec<String> = (0..400).map(|i| format!("customer-{i:05}")).collect();
+    keys.extend((0..100).map(|i| format!("ключ-{i}")));
+    keys.extend((0..100).map(|i| format!("日本語キー{i}")));
+    keys.extend((0..100).map(|i| format!("emoji😀{i}🚀")));
+    keys.extend((0..50).map(|i| "x".repeat(100 + i * 7)));
+    keys.extend((0..100).map(|i| format!("with space {i}.and.dots")));
+    keys.extend((0..50).map(|i| format!("50%-{i}\t*>")));
+    keys.extend(["*", ">", "%", "%20", "a>b", "a*", "é"].map(String::from));
+    let vectors: Value = serde_json::from_str(include_str!("../vectors/partition-vectors.json")).unwrap();
+    for case in vectors["single"].as_array().unwrap() {
+        keys.push(case["key"].as_str().unwrap().to_owned());
+    }
+    keys.sort();
+    keys.dedup();
+    keys
+}
+
+#[tokio::test]
+async fn keygate_partitions_equal_what_the_server_stamps_for_over_a_thousand_keys() {
+    let app = TestApp::start().await;
+    let keys = parity_keys();
+    assert!(keys.len() >= 1000, "{} keys", keys.len());
+    for partitions in [2u32, 7, 10, 64, 255] {
+        let stream = format!("P{partitions}");
+        app.create_stream(
+            &stream,
+            json!({"subjects":[format!("{}.*", stream.to_lowercase())],"partitions":partitions}),
+        )
+        .await;
+        let mut reported = Vec::new();
+        for chunk in keys.chunks(500) {
+            let messages: Vec<Value> = chunk.iter().map(|k| json!({"key": k, "data": {"k": k}})).collect();
+            let (status, body) =
+                app.post(&format!("/v1/streams/{stream}/messages/batch"), json!({"messages": messages})).await;
+            assert_eq!(status, 200);
+            for result in body["results"].as_array().unwrap() {
+                assert!(result.get("error").is_none(), "{result}");
+                reported.push(result.clone());
+            }
+        }
+        let stored = app.stream_messages(&stream).await;
+        assert_eq!(stored.len(), keys.len());
+        for ((key, ack), (subject, _, _)) in keys.iter().zip(&reported).zip(&stored) {
+            let (stamp, rest) = subject.split_once('.').unwrap();
+            let stamped: u32 = stamp.parse().unwrap();
+            assert_eq!(ack["partition"], stamped, "key {key:?} mod {partitions}: stored as {subject}");
+            assert_eq!(ack["subject"], rest, "key {key:?}");
+            assert_eq!(ack["key"], key.as_str());
+            let token = rest.split_once('.').unwrap().1;
+            assert_eq!(keygate::partition::decode_key(token).as_deref(), Some(key.as_str()));
+        }
+    }
+}
+
+#[tokio::test]
+async fn multi_wildcard_keys_hash_in_the_listed_order_like_the_server() {
+    let app = TestApp::start().await;
+    app.create_stream("VM", json!({"subjects":["vm.*.*"],"partitions":7,"key_wildcards":[2,1]})).await;
+    let vectors: Value = serde_json::from_str(include_str!("../vectors/partition-vectors.json")).unwrap();
+    let mut published = Vec::new();
+    for case in vectors["multi"].as_array().unwrap() {
+        let tokens: Vec<&str> = case["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+        let (status, ack) = app
+            .post("/v1/streams/VM/messages", json!({"subject": format!("vm.{}.*", tokens[0]), "key": tokens[1]}))
+            .await;
+        assert_eq!(status, 200, "{ack}");
+        assert_eq!(ack["partition"], case["partition"], "{tokens:?}");
+        published.push(ack);
+    }
+    for region in ["eu", "us", "ap", "x y", "ü"] {
+        for user in 0..60 {
+            let (status, ack) = app
+                .post("/v1/streams/VM/messages", json!({"subject": "vm.r.*", "key": format!("{region}-{user}")}))
+                .await;
+            assert_eq!(status, 200);
+            published.push(ack);
+        }
+    }
+    // A literal subject works too; its key is its key-position token.
+    let (status, ack) = app.post("/v1/streams/VM/messages", json!({"subject":"vm.eu.alice"})).await;
+    assert_eq!(status, 200);
+    assert_eq!(ack["partition"], 2);
+    published.push(ack);
+
+    let stored = app.stream_messages("VM").await;
+    for (ack, (subject, _, _)) in published.iter().zip(&stored) {
+        assert_eq!(format!("{}.{}", ack["partition"], ack["subject"].as_str().unwrap()), *subject);
+    }
+}
+
+#[tokio::test]
+async fn keyless_messages_go_round_robin_over_partitions() {
+    let app = TestApp::start().await;
+    app.create_stream("RR", json!({"subjects":["rr.*"],"partitions":5})).await;
+    let messages: Vec<Value> = (0..20).map(|i| json!({"data": i})).collect();
+    let (_, body) = app.post("/v1/streams/RR/messages/batch", json!({"messages": messages})).await;
+    let partitions: Vec<u64> =
+        body["results"].as_array().unwrap().iter().map(|r| r["partition"].as_u64().unwrap()).collect();
+    for pair in partitions.windows(2) {
+        assert_eq!((pair[0] + 1) % 5, pair[1], "{partitions:?}");
+    }
+    let mut counts = BTreeMap::new();
+    for p in &partitions {
+        *counts.entry(*p).or_insert(0) += 1;
+    }
+    assert_eq!(counts.values().copied().collect::<Vec<_>>(), vec![4; 5]);
+    assert!(body["results"].as_array().unwrap().iter().all(|r| r["key"].is_null()));
+    let stored = app.stream_messages("RR").await;
+    for ((subject, _, _), p) in stored.iter().zip(&partitions) {
+        assert!(subject.starts_with(&format!("{p}.rr.")), "{subject}");
+    }
+}
+
+#[tokio::test]
+async fn payloads_headers_and_content_types_are_stored_as_sent() {
+    let app = TestApp::start().await;
+    app.create_stream("DATA", json!({"subjects":["data.*"],"partitions":3})).await;
+    let raw_json = r#"{"b": 2,  "a": [1, 2.50]}"#;
+    let body = format!(r#"{{"key":"k1","data":{raw_json},"headers":{{"X-Trace":"t1","X-Multi":["a","b"]}}}}"#);
+    let response = app
+        .http
+        .post(app.url("/v1/streams/DATA/messages"))
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let bytes = vec![0u8, 159, 146, 150, 255];
+    let b64 = base64::engine::general_purpose::STANDARD.encode(&bytes);
+    let (status, _) = app
+        .post(
+            "/v1/streams/DATA/messages",
+            json!({"key":"k2","data_base64": b64, "content_type":"application/octet-stream"}),
+        )
+        .await;
+    assert_eq!(status, 200);
+    let (status, _) = app.post("/v1/streams/DATA/messages", json!({"key":"k3"})).await;
+    assert_eq!(status, 200);
+
+    let stored = app.stream_messages("DATA").await;
+    let (_, payload, headers) = &stored[0];
+    assert_eq!(payload, raw_json.as_bytes());
+    let headers = headers.as_ref().unwrap();
+    assert_eq!(headers.get("Content-Type").unwrap().as_str(), "application/json");
+    assert_eq!(headers.get("X-Trace").unwrap().as_str(), "t1");
+    let multi: Vec<&str> = headers.get_all("X-Multi").map(|v| v.as_str()).collect();
+    assert_eq!(multi, vec!["a", "b"]);
+    let (_, payload, headers) = &stored[1];
+    assert_eq!(payload, &bytes);
+    assert_eq!(headers.as_ref().unwrap().get("Content-Type").unwrap().as_str(), "application/octet-stream");
+    assert!(stored[2].1.is_empty());
+}
+
+#[tokio::test]
+async fn msg_id_and_idempotency_key_deduplicate() {
+    let app = TestApp::start().await;
+    app.create_stream("DEDUP", json!({"subjects":["d.*"],"partitions":2})).await;
+    let (_, first) = app.post("/v1/streams/DEDUP/messages", json!({"key":"a","msg_id":"m-1"})).await;
+    let (_, again) = app.post("/v1/streams/DEDUP/messages", json!({"key":"a","msg_id":"m-1"})).await;
+    assert_eq!(first["duplicate"], false);
+    assert_eq!(again["duplicate"], true);
+    assert_eq!(first["seq"], again["seq"]);
+
+    let send = |key: &'static str| {
+        app.http
+            .post(app.url("/v1/streams/DEDUP/messages"))
+            .header("Idempotency-Key", "order-77")
+            .json(&json!({"key": key}))
+            .send()
+    };
+    let one: Value = send("b").await.unwrap().json().await.unwrap();
+    let two: Value = send("b").await.unwrap().json().await.unwrap();
+    assert_eq!((one["duplicate"].clone(), two["duplicate"].clone()), (json!(false), json!(true)));
+    let stored = app.stream_messages("DEDUP").await;
+    assert_eq!(stored.len(), 2);
+
+    let response = app
+        .http
+        .post(app.url("/v1/streams/DEDUP/messages"))
+        .header("Idempotency-Key", "x")
+        .json(&json!({"key":"c","msg_id":"y"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 400);
+}
+
+#[tokio::test]
+async fn a_failing_batch_item_does_not_fail_the_others() {
+    let app = TestApp::start().await;
+    app.create_stream("B", json!({"subjects":["b.*"],"partitions":4})).await;
+    let (status, body) = app
+        .post(
+            "/v1/streams/B/messages/batch",
+            json!({"messages":[
+                {"key":"one"},
+                {"key":""},
+                {"key":"two","data":1,"data_base64":"AA=="},
+                {"key":"three","subject":"elsewhere.*"},
+                {"key":"four","headers":{"Nats-Msg-Id":"x"}},
+                {"key":"five"}
+            ]}),
+        )
+        .await;
+    assert_eq!(status, 200);
+    let results = body["results"].as_array().unwrap();
+    assert_eq!(results.len(), 6);
+    assert_eq!(results[0]["key"], "one");
+    for bad in &results[1..5] {
+        assert_eq!(bad["error"]["status"], 400, "{bad}");
+    }
+    assert_eq!(results[5]["key"], "five");
+    assert_eq!(results[5]["seq"].as_u64().unwrap(), results[0]["seq"].as_u64().unwrap() + 1);
+    assert_eq!(app.stream_messages("B").await.len(), 2);
+}
+
+#[tokio::test]
+async fn bad_publishes_are_problems_and_store_nothing() {
+    let app = TestApp::start().await;
+    app.create_stream("E", json!({"subjects":["e.*"],"partitions":2})).await;
+    let cases = [
+        (json!({"key":"a","data":1,"data_base64":"AA=="}), 400),
+        (json!({"key":"a","data_base64":"not base64!"}), 400),
+        (json!({"key":"a","headers":{"bad name":"x"}}), 400),
+        (json!({"key":"a","headers":{"Nats-Expected-Stream":"x"}}), 400),
+        (json!({"key":"a","subject":"e.literal"}), 400),
+        (json!({"subject":"other.x"}), 400),
+        (json!({"key":"x".repeat(2000)}), 400),
+        (json!({"key":"a","unknown":true}), 400),
+        (json!({"key":"a","data_base64": base64::engine::general_purpose::STANDARD.encode(vec![7u8; 1_100_000])}), 413),
+    ];
+    for (body, want) in cases {
+        let (status, problem) = app.post("/v1/streams/E/messages", body.clone()).await;
+        assert_eq!(status, want, "{problem}");
+    }
+    let (status, _) = app.post("/v1/streams/NOPE/messages", json!({"key":"a"})).await;
+    assert_eq!(status, 404);
+    let (_, view) = app.get("/v1/streams/E").await;
+    assert_eq!(view["messages"], 0);
+}
+
+#[tokio::test]
+async fn plain_streams_take_keys_without_partitions() {
+    let app = TestApp::start().await;
+    app.create_stream("PLAIN", json!({"subjects":["plain.*"]})).await;
+    let (status, ack) = app.post("/v1/streams/PLAIN/messages", json!({"key":"a b","data":{"x":1}})).await;
+    assert_eq!(status, 200);
+    assert_eq!(ack["partition"], Value::Null);
+    assert_eq!(ack["subject"], "plain.a%20b");
+}

