@@ -58,12 +58,11 @@ async fn serve_without_a_url_runs_supervises_and_stops_its_own_nats_server() {
     })
     .await;
     eventually(Duration::from_secs(20), ready).await;
-    let stream = eventually(Duration::from_secs(10), || async {
+    eventually(Duration::from_secs(10), || async {
         let r = http.get(format!("{base}/v1/streams/ORDERS")).send().await.ok()?;
         (r.status() == 200).then_some(())
     })
     .await;
-    let _ = stream;
 
     // SIGTERM: keygate exits cleanly and takes its nats-server with it.
     Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
