@@ -15,7 +15,7 @@ use utoipa::ToSchema;
 
 use crate::error::{ApiError, Problem};
 use crate::nats::errors::unavailable_or_internal;
-use crate::partition::{decode_key, encode_key, keyless_token, SubjectPattern};
+use crate::partition::{decode_key, encode_key, keyless_token, partition_of_tokens, SubjectPattern};
 use crate::streams::StreamShape;
 
 /// Header values: one string or several.
@@ -116,13 +116,23 @@ pub fn prepare(
     max_payload: usize,
 ) -> Result<Prepared, ApiError> {
     let bad = |m: String| ApiError::BadRequest(m);
-    let (subject, key) = resolve_subject(shape, request.key.as_deref(), request.subject.as_deref())?;
-    let partition = match &shape.stamping {
-        Some((source, spec)) => Some(
-            spec.partition_of_subject(source, &subject)
-                .ok_or_else(|| bad(format!("subject {subject:?} is not stamped by stream {}", shape.name)))?,
-        ),
-        None => None,
+    let (subject, key, partition) = match (request.subject.as_deref(), request.key.as_deref(), &shape.key_slot) {
+        // The common case, kept free of pattern matching: a key in the
+        // stream's own one-wildcard subject.
+        (None, Some(key), Some(slot)) => {
+            let token = encode_key(key).map_err(|e| bad(e.to_string()))?;
+            let subject = format!("{}{token}{}", slot.prefix, slot.suffix);
+            let partition = match &shape.stamping {
+                Some((_, spec)) if slot.key_only_hash => Some(partition_of_tokens([token.as_str()], spec.partitions)),
+                _ => stamped_partition(shape, &subject)?,
+            };
+            (subject, Some(key.to_owned()), partition)
+        }
+        (subject, key, _) => {
+            let (subject, key) = resolve_subject(shape, key, subject)?;
+            let partition = stamped_partition(shape, &subject)?;
+            (subject, key, partition)
+        }
     };
 
     let mut headers = HeaderMap::new();
@@ -191,7 +201,7 @@ pub fn prepare(
         )));
     }
     // The user's headers first (keeping repeated values), then keygate's own.
-    let mut publish = PublishMessage::build().headers(headers).expected_stream(&shape.name);
+    let mut publish = PublishMessage::build().headers(headers);
     if let Some(id) = msg_id {
         publish = publish.message_id(id);
     }
@@ -254,6 +264,13 @@ fn resolve_subject(
         }
     });
     Ok((subject, key))
+}
+
+fn stamped_partition(shape: &StreamShape, subject: &str) -> Result<Option<u32>, ApiError> {
+    let Some((source, spec)) = &shape.stamping else { return Ok(None) };
+    spec.partition_of_subject(source, subject)
+        .map(Some)
+        .ok_or_else(|| ApiError::BadRequest(format!("subject {subject:?} is not stamped by stream {}", shape.name)))
 }
 
 fn fill(template: &SubjectPattern, token: &str) -> String {

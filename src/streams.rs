@@ -252,23 +252,49 @@ pub struct StreamShape {
     pub patterns: Vec<SubjectPattern>,
     /// The stamping transform's source and what it hashes.
     pub stamping: Option<(SubjectPattern, PartitionSpec)>,
+    /// The key's place in the stream's subject, when it has one `*`.
+    pub key_slot: Option<KeySlot>,
     /// Next partition for keyless messages (round-robin).
     pub next_partition: AtomicU64,
     /// Numbers keyless-marker tokens.
     pub keyless_counter: AtomicU64,
 }
 
+/// What comes before and after the key in a stream's one-wildcard subject.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeySlot {
+    pub prefix: String,
+    pub suffix: String,
+    /// The stream stamps the partition from the key alone.
+    pub key_only_hash: bool,
+}
+
 impl StreamShape {
     fn from_config(config: &stream::Config) -> Self {
-        let patterns = config.subjects.iter().filter_map(|s| SubjectPattern::parse(s).ok()).collect();
+        let patterns: Vec<SubjectPattern> =
+            config.subjects.iter().filter_map(|s| SubjectPattern::parse(s).ok()).collect();
         let stamping = config.subject_transform.as_ref().and_then(|t| {
             let spec = PartitionSpec::from_transform(&t.destination)?;
             Some((SubjectPattern::parse(&t.source).ok()?, spec))
         });
+        let key_slot = match patterns.as_slice() {
+            [only] if only.star_count() == 1 && !only.has_tail() => {
+                let text = only.as_string();
+                let tokens: Vec<&str> = text.split('.').collect();
+                let at = tokens.iter().position(|t| *t == "*").expect("one star");
+                let prefix: String = tokens[..at].iter().map(|t| format!("{t}.")).collect();
+                let suffix: String = tokens[at + 1..].iter().map(|t| format!(".{t}")).collect();
+                let key_only_hash =
+                    stamping.as_ref().is_some_and(|(source, spec)| source == only && spec.wildcards == [1]);
+                Some(KeySlot { prefix, suffix, key_only_hash })
+            }
+            _ => None,
+        };
         Self {
             name: config.name.clone(),
             patterns,
             stamping,
+            key_slot,
             next_partition: AtomicU64::new(rand::random::<u32>() as u64),
             keyless_counter: AtomicU64::new(0),
         }
