@@ -416,7 +416,23 @@ mod tests {
         assert!(SubjectPattern::parse("a b").is_err());
     }
 
+    /// FNV-1a 32 as its specification states it, to check the crate against.
+    fn reference_fnv1a32(bytes: &[u8]) -> u32 {
+        bytes.iter().fold(0x811c_9dc5u32, |hash, byte| (hash ^ u32::from(*byte)).wrapping_mul(0x0100_0193))
+    }
+
     proptest! {
+        #[test]
+        fn hash_matches_the_fnv1a_specification(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            prop_assert_eq!(fnv1a32(&bytes), reference_fnv1a32(&bytes));
+        }
+
+        #[test]
+        fn multi_token_partitions_hash_the_concatenation(a in "\\PC{1,20}", b in "\\PC{1,20}", n in 1u32..500) {
+            let joined = format!("{a}{b}");
+            prop_assert_eq!(partition_of_tokens([a.as_str(), b.as_str()], n), reference_fnv1a32(joined.as_bytes()) % n);
+        }
+
         #[test]
         fn every_key_round_trips_through_its_token(key in "\\PC{1,64}|[ .%*>\\t]{1,8}|.{1,32}") {
             let token = encode_key(&key).unwrap();

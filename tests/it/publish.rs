@@ -259,3 +259,23 @@ async fn plain_streams_take_keys_without_partitions() {
     assert_eq!(ack["partition"], Value::Null);
     assert_eq!(ack["subject"], "plain.a%20b");
 }
+
+#[tokio::test]
+async fn an_explicit_subject_pattern_lands_keys_where_the_stream_subject_does() {
+    let app = TestApp::start().await;
+    app.create_stream("X", json!({"subjects":["x.*"],"partitions":13})).await;
+    let keys: Vec<String> = (0..300).map(|i| format!("k {i}/ü")).collect();
+    let implicit: Vec<Value> = keys.iter().map(|k| json!({"key": k})).collect();
+    let explicit: Vec<Value> = keys.iter().map(|k| json!({"key": k, "subject": "x.*"})).collect();
+    let (_, a) = app.post("/v1/streams/X/messages/batch", json!({"messages": implicit})).await;
+    let (_, b) = app.post("/v1/streams/X/messages/batch", json!({"messages": explicit})).await;
+    let stored = app.stream_messages("X").await;
+    let acks: Vec<&Value> = a["results"].as_array().unwrap().iter().chain(b["results"].as_array().unwrap()).collect();
+    for (ack, (subject, _, _)) in acks.iter().zip(&stored) {
+        assert_eq!(format!("{}.{}", ack["partition"], ack["subject"].as_str().unwrap()), *subject);
+    }
+    for (x, y) in a["results"].as_array().unwrap().iter().zip(b["results"].as_array().unwrap()) {
+        assert_eq!(x["partition"], y["partition"]);
+        assert_eq!(x["subject"], y["subject"]);
+    }
+}
