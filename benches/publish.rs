@@ -163,6 +163,7 @@ async fn main() -> anyhow::Result<()> {
     let app = tokio::spawn(keygate::run(Settings::for_nats_url(server.url()), listener, app_stop.clone()));
     let nats = async_nats::connect(server.url()).await?;
     let js = keygate::nats::connect::jetstream(nats.clone(), Duration::from_secs(10));
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let http = reqwest::Client::builder().pool_max_idle_per_host(256).build()?;
     for _ in 0..200 {
         if http.get(format!("{base}/readyz")).send().await.is_ok_and(|r| r.status() == 200) {

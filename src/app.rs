@@ -3,6 +3,8 @@
 
 use std::sync::Arc;
 
+use std::future::IntoFuture as _;
+
 use anyhow::Context as _;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -12,6 +14,9 @@ use crate::groups::GroupAdmin;
 use crate::nats::connect::{connect, jetstream};
 use crate::nats::embedded::EmbeddedServer;
 use crate::streams::Streams;
+
+/// How long shutdown waits for running requests.
+const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(20);
 
 /// Cheap handles every request needs.
 #[derive(Clone)]
@@ -62,7 +67,14 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
     let state = AppState::new(settings, nats.clone());
     let app = crate::http::router(state);
     tracing::info!(address = %listener.local_addr()?, "keygate listening");
-    axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await.context("serving HTTP")?;
+    let server = axum::serve(listener, app).with_graceful_shutdown(shutdown.clone().cancelled_owned());
+    tokio::select! {
+        served = server.into_future() => served.context("serving HTTP")?,
+        () = async {
+            shutdown.cancelled().await;
+            tokio::time::sleep(SHUTDOWN_GRACE).await;
+        } => tracing::warn!(grace = ?SHUTDOWN_GRACE, "requests still running at shutdown; stopping anyway"),
+    }
     tracing::info!("shutting down");
     if let Err(e) = nats.drain().await {
         tracing::warn!(error = %e, "draining NATS");

@@ -39,8 +39,6 @@ pub struct Settings {
     pub max_batch_messages: usize,
     /// Largest request body accepted, in bytes.
     pub max_body_bytes: usize,
-    /// Default ack wait of groups that do not set one.
-    pub default_ack_wait: Duration,
 }
 
 impl Settings {
@@ -52,7 +50,6 @@ impl Settings {
             nats_timeout: Duration::from_secs(5),
             max_batch_messages: 1000,
             max_body_bytes: 16 * 1024 * 1024,
-            default_ack_wait: Duration::from_secs(5),
         }
     }
 }

@@ -81,9 +81,9 @@ struct ServeArgs {
     /// Timeout of JetStream requests and publish acks, in milliseconds.
     #[arg(long, env = "KEYGATE_NATS_TIMEOUT_MS", default_value_t = 5000)]
     nats_timeout_ms: u64,
-    /// Most messages in one batch publish.
-    #[arg(long, env = "KEYGATE_MAX_BATCH_MESSAGES", default_value_t = 1000)]
-    max_batch_messages: usize,
+    /// Most messages in one batch publish (at most 10000).
+    #[arg(long, env = "KEYGATE_MAX_BATCH_MESSAGES", default_value_t = 1000, value_parser = clap::value_parser!(u16).range(1..=10000))]
+    max_batch_messages: u16,
     /// Largest request body, in bytes.
     #[arg(long, env = "KEYGATE_MAX_BODY_BYTES", default_value_t = 16 * 1024 * 1024)]
     max_body_bytes: usize,
@@ -114,9 +114,8 @@ impl ServeArgs {
             listen: self.listen,
             nats,
             nats_timeout: Duration::from_millis(self.nats_timeout_ms.max(1)),
-            max_batch_messages: self.max_batch_messages.max(1),
+            max_batch_messages: usize::from(self.max_batch_messages),
             max_body_bytes: self.max_body_bytes,
-            ..Settings::for_nats_url("")
         }
     }
 }

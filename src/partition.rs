@@ -196,6 +196,19 @@ impl SubjectPattern {
         (parts.len() == self.tokens.len()).then_some(captured)
     }
 
+    /// Whether some subject matches both patterns.
+    pub fn overlaps(&self, other: &SubjectPattern) -> bool {
+        let (a, b) = (&self.tokens, &other.tokens);
+        for i in 0..a.len().max(b.len()) {
+            match (a.get(i).map(String::as_str), b.get(i).map(String::as_str)) {
+                (Some(">"), Some(_)) | (Some(_), Some(">")) => return true,
+                (Some(x), Some(y)) if x == "*" || y == "*" || x == y => continue,
+                _ => return false,
+            }
+        }
+        true
+    }
+
     /// The server's partitioning transform destination for this filter.
     pub fn partition_transform(&self, partitions: u32, wildcards: &[u32], spelling: TransformSpelling) -> String {
         let (partition_fn, wildcard_fn) = match spelling {
@@ -414,6 +427,12 @@ mod tests {
         assert!(SubjectPattern::parse("a..b").is_err());
         assert!(SubjectPattern::parse("a.>.b").is_err());
         assert!(SubjectPattern::parse("a b").is_err());
+        let overlap = |a: &str, b: &str| SubjectPattern::parse(a).unwrap().overlaps(&SubjectPattern::parse(b).unwrap());
+        assert!(overlap("*.orders.*", "*.orders.>"));
+        assert!(overlap("orders.*", "orders.x"));
+        assert!(!overlap("*.orders.*", "orders.*"));
+        assert!(!overlap("a.b", "a.b.c"));
+        assert!(overlap(">", "a.b.c"));
     }
 
     /// FNV-1a 32 as its specification states it, to check the crate against.

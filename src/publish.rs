@@ -200,8 +200,10 @@ pub fn prepare(
             "the message is {size} bytes with headers; the server accepts at most {max_payload}"
         )));
     }
-    // The user's headers first (keeping repeated values), then keygate's own.
-    let mut publish = PublishMessage::build().headers(headers);
+    // The user's headers first (keeping repeated values), then keygate's own;
+    // Nats-Expected-Stream makes the server refuse a subject that another
+    // stream captures (the stream may have changed since its shape was read).
+    let mut publish = PublishMessage::build().headers(headers).expected_stream(&shape.name);
     if let Some(id) = msg_id {
         publish = publish.message_id(id);
     }
@@ -297,32 +299,97 @@ fn keyless_subject(shape: &StreamShape, template: &SubjectPattern) -> String {
     subject
 }
 
-/// Publishes prepared messages with every ack in flight at once and answers
-/// in order; one failure does not fail the others.
+/// How many sent messages may wait for their ack before sending pauses.
+/// Acks are awaited while sending goes on, so a batch never holds more of
+/// the client's ack slots than this, whatever its size or how many batches
+/// run at once.
+const ACK_WINDOW: usize = 1024;
+
+/// Publishes prepared messages in order with many acks in flight, and
+/// answers in order; one failure does not fail the others.
 pub async fn publish_all(
     js: &jetstream::Context,
-    stream: &str,
+    shape: &StreamShape,
     prepared: Vec<Result<Prepared, ApiError>>,
 ) -> Vec<Result<PublishAck, ApiError>> {
-    let mut pending = Vec::with_capacity(prepared.len());
-    for item in prepared {
-        match item {
-            Ok(p) => {
-                let sent = js.send_publish(p.subject.clone(), p.publish).await;
-                pending.push(Ok((p.subject, p.partition, p.key, sent)));
+    type Sent = Result<(String, Option<u32>, Option<String>, jetstream::context::PublishAckFuture), ApiError>;
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Sent>(ACK_WINDOW);
+    let total = prepared.len();
+    let sender = async move {
+        for item in prepared {
+            let sent = match item {
+                Ok(p) => match js.send_publish(p.subject.clone(), p.publish).await {
+                    Ok(ack) => Ok((p.subject, p.partition, p.key, ack)),
+                    Err(e) => Err(publish_error(e)),
+                },
+                Err(e) => Err(e),
+            };
+            if tx.send(sent).await.is_err() {
+                break;
             }
-            Err(e) => pending.push(Err(e)),
         }
-    }
-    let acks = pending.into_iter().map(|item| async move {
-        let (subject, partition, key, sent) = item?;
-        let ack = sent.map_err(publish_error)?.await.map_err(publish_error)?;
-        if ack.stream != stream {
-            return Err(ApiError::Internal(format!("message stored in stream {} instead of {stream}", ack.stream)));
+    };
+    let collector = async {
+        let mut results = Vec::with_capacity(total);
+        while let Some(sent) = rx.recv().await {
+            let result = match sent {
+                Ok((subject, partition, key, ack)) => match ack.await {
+                    Ok(ack) if ack.stream != shape.name => Err(ApiError::Internal(format!(
+                        "message stored in stream {} instead of {}",
+                        ack.stream, shape.name
+                    ))),
+                    Ok(ack) if ack.duplicate => Ok(stored_ack(js, shape, ack.sequence).await),
+                    Ok(ack) => Ok(PublishAck {
+                        stream: ack.stream,
+                        seq: ack.sequence,
+                        subject,
+                        partition,
+                        key,
+                        duplicate: false,
+                    }),
+                    Err(e) => Err(publish_error(e)),
+                },
+                Err(e) => Err(e),
+            };
+            results.push(result);
         }
-        Ok(PublishAck { stream: ack.stream, seq: ack.sequence, subject, partition, key, duplicate: ack.duplicate })
+        results
+    };
+    let ((), results) = tokio::join!(sender, collector);
+    results
+}
+
+/// The answer for a duplicate: where the first message with that id was
+/// stored (its subject, partition and key, which may differ from the retry's).
+async fn stored_ack(js: &jetstream::Context, shape: &StreamShape, seq: u64) -> PublishAck {
+    let mut ack = PublishAck {
+        stream: shape.name.clone(),
+        seq,
+        subject: String::new(),
+        partition: None,
+        key: None,
+        duplicate: true,
+    };
+    let Ok(stream) = js.get_stream_no_info(&shape.name).await else { return ack };
+    let Ok(message) = stream.get_raw_message(seq).await else { return ack };
+    let stored = message.subject.to_string();
+    let (partition, subject) = match &shape.stamping {
+        Some(_) => match stored.split_once('.') {
+            Some((p, rest)) => (p.parse().ok(), rest.to_owned()),
+            None => (None, stored.clone()),
+        },
+        None => (None, stored.clone()),
+    };
+    ack.key = shape.stamping.as_ref().and_then(|(source, spec)| {
+        let captured = source.captures(&subject)?;
+        match spec.wildcards.as_slice() {
+            [w] => decode_key(captured.get((*w as usize).checked_sub(1)?)?),
+            _ => None,
+        }
     });
-    futures::future::join_all(acks).await
+    ack.subject = subject;
+    ack.partition = partition;
+    ack
 }
 
 fn publish_error(e: jetstream::context::PublishError) -> ApiError {
@@ -330,15 +397,19 @@ fn publish_error(e: jetstream::context::PublishError) -> ApiError {
     match e.kind() {
         K::MaxPayloadExceeded => ApiError::PayloadTooLarge("the message exceeds the server's max_payload".into()),
         K::StreamNotFound => ApiError::Unavailable("no stream answered for the subject; retry".into()),
-        K::TimedOut | K::BrokenPipe | K::MaxAckPending => ApiError::Unavailable(format!(
-            "JetStream did not acknowledge the message ({e}); retry, with msg_id to avoid duplicates"
-        )),
+        K::TimedOut | K::BrokenPipe | K::MaxAckPending => {
+            tracing::warn!(error = %e, "publish not acknowledged");
+            ApiError::Unavailable(
+                "JetStream did not acknowledge the message; retry, with msg_id to avoid duplicates".into(),
+            )
+        }
         _ => {
             let text = e.to_string();
             if text.contains("10060") || text.contains("expected stream") {
                 ApiError::BadRequest(format!("the subject belongs to another stream: {text}"))
             } else if text.contains("maximum") || text.contains("limit") || text.contains("10077") {
-                ApiError::Unavailable(format!("the stream refused the message: {text}"))
+                tracing::warn!(error = %text, "stream refused a message");
+                ApiError::Unavailable("the stream is full (a limit with discard new); retry later".into())
             } else {
                 unavailable_or_internal("publishing", e)
             }

@@ -178,10 +178,10 @@ impl StreamSpec {
             },
             num_replicas: self.replicas.unwrap_or(1),
             max_age: Duration::from_millis(self.max_age_ms.unwrap_or(0)),
-            max_messages: self.max_msgs.unwrap_or(-1),
-            max_bytes: self.max_bytes.unwrap_or(-1),
+            max_messages: self.max_msgs.filter(|n| *n > 0).unwrap_or(-1),
+            max_bytes: self.max_bytes.filter(|n| *n > 0).unwrap_or(-1),
             duplicate_window: Duration::from_millis(self.duplicate_window_ms.unwrap_or(0)),
-            description: self.description.clone(),
+            description: self.description.clone().filter(|d| !d.is_empty()),
             allow_direct: true,
             ..Default::default()
         }
@@ -222,16 +222,20 @@ impl StreamSpec {
         if self.max_age_ms.is_some_and(|ms| Duration::from_millis(ms) != have.max_age) {
             diff.push("max_age_ms".into());
         }
-        if self.max_msgs.is_some_and(|n| n != have.max_messages) {
+        // The server stores 0 as "no limit" (-1) and an empty description as none.
+        let limit = |n: i64| if n <= 0 { -1 } else { n };
+        if self.max_msgs.is_some_and(|n| limit(n) != limit(have.max_messages)) {
             diff.push("max_msgs".into());
         }
-        if self.max_bytes.is_some_and(|n| n != have.max_bytes) {
+        if self.max_bytes.is_some_and(|n| limit(n) != limit(have.max_bytes)) {
             diff.push("max_bytes".into());
         }
-        if self.duplicate_window_ms.is_some_and(|ms| Duration::from_millis(ms) != have.duplicate_window) {
+        // 0 asks for the server's default window, whatever it chose.
+        if self.duplicate_window_ms.is_some_and(|ms| ms != 0 && Duration::from_millis(ms) != have.duplicate_window) {
             diff.push("duplicate_window_ms".into());
         }
-        if self.description.is_some() && self.description != have.description {
+        let description = self.description.as_deref().filter(|d| !d.is_empty());
+        if self.description.is_some() && description != have.description.as_deref().filter(|d| !d.is_empty()) {
             diff.push("description".into());
         }
         diff

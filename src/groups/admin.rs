@@ -146,7 +146,9 @@ impl GroupAdmin {
     }
 
     /// Creates a group, or confirms an identical one exists. An elastic
-    /// group's membership may differ: it is then updated.
+    /// group's membership may differ: it is then updated. Everything is
+    /// checked before anything is written, so a refused request changes
+    /// nothing.
     pub async fn put(
         &self,
         stream: &StreamName,
@@ -167,43 +169,44 @@ impl GroupAdmin {
                 other.as_str()
             )));
         }
-        let settings = GroupSettings { ack_wait_ms };
         let key = config_key(stream.as_str(), group.as_str());
+        let existing = self.read(kind, stream.as_str(), group.as_str()).await?;
+        let plan = match &existing {
+            Some(stored) => plan_reconcile(&stored.config, &config, membership_given)?,
+            None => {
+                match &config {
+                    GroupConfig::Static(c) => {
+                        check_static_stream(&info, c.max_members)?;
+                        self.check_consumer_names_free(stream, group, &config).await?;
+                    }
+                    GroupConfig::Elastic(c) => check_elastic_filters(&info, c)?,
+                }
+                Reconcile::Create
+            }
+        };
+        // The work-queue stream first: if it cannot be made, KV is untouched.
+        let mut made_work_queue = false;
+        if let GroupConfig::Elastic(c) = existing.as_ref().map_or(&config, |s| &s.config) {
+            made_work_queue = self.ensure_work_queue(stream.as_str(), group.as_str(), c, &info).await?;
+        }
         let bucket_name = match kind {
             GroupKind::Static => STATIC_BUCKET,
             GroupKind::Elastic => ELASTIC_BUCKET,
         };
-        let store = self.bucket_or_create(bucket_name, info.config.num_replicas).await?;
-        let outcome = match self.read(kind, stream.as_str(), group.as_str()).await? {
-            Some(existing) => self.reconcile(&store, &key, existing, &config, membership_given).await?,
-            None => {
-                if let GroupConfig::Static(c) = &config {
-                    check_static_stream(&info, c.max_members)?;
-                }
-                let value = config_bytes(&config);
-                match store.create(&key, value).await {
-                    Ok(_) => PutOutcome::Created,
-                    Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
-                        let existing = self.read(kind, stream.as_str(), group.as_str()).await?.ok_or_else(|| {
-                            ApiError::Conflict(format!("group {group} was changed concurrently; retry"))
-                        })?;
-                        self.reconcile(&store, &key, existing, &config, membership_given).await?
-                    }
-                    Err(e) => return Err(unavailable_or_internal("storing group", e)),
-                }
-            }
-        };
-        if let GroupConfig::Elastic(c) = &config {
-            if let Err(e) = self.ensure_work_queue(stream.as_str(), group.as_str(), c, &info).await {
-                if outcome == PutOutcome::Created {
-                    let _ = store.delete(&key).await;
+        let written = self.apply(bucket_name, &key, &config, existing.as_ref(), plan, info.config.num_replicas).await;
+        let outcome = match written {
+            Ok(outcome) => outcome,
+            Err(e) => {
+                if made_work_queue {
+                    let _ = self.js.delete_stream(elastic_stream_name(stream.as_str(), group.as_str())).await;
                 }
                 return Err(e);
             }
-        }
-        let settings_store = self.bucket_or_create(SETTINGS_BUCKET, info.config.num_replicas).await?;
+        };
+        let settings = GroupSettings { ack_wait_ms };
         let current = self.settings(stream, group).await?;
         if outcome == PutOutcome::Created || (ack_wait_ms.is_some() && current != settings) {
+            let settings_store = self.bucket_or_create(SETTINGS_BUCKET, info.config.num_replicas).await?;
             settings_store
                 .put(&key, Bytes::from(serde_json::to_vec(&settings).unwrap_or_default()))
                 .await
@@ -215,61 +218,64 @@ impl GroupAdmin {
         Ok(outcome)
     }
 
-    async fn reconcile(
+    async fn apply(
         &self,
-        store: &kv::Store,
+        bucket_name: &str,
         key: &str,
-        existing: StoredGroup,
-        wanted: &GroupConfig,
-        membership_given: bool,
+        config: &GroupConfig,
+        existing: Option<&StoredGroup>,
+        plan: Reconcile,
+        replicas: usize,
     ) -> Result<PutOutcome, ApiError> {
-        let recreate = "delete and recreate the group to change it";
-        match (&existing.config, wanted) {
-            (GroupConfig::Static(have), GroupConfig::Static(want)) => {
-                if have.max_members != want.max_members {
-                    return Err(ApiError::Conflict(format!(
-                        "the group has {} partitions; the partition count never changes: {recreate}",
-                        have.max_members
-                    )));
-                }
-                if have.filters != want.filters {
-                    return Err(ApiError::Conflict(format!("the group's filters differ: {recreate}")));
-                }
-                if membership_given && (have.members != want.members || have.member_mappings != want.member_mappings) {
-                    return Err(ApiError::Conflict(format!("a static group's membership is fixed: {recreate}")));
-                }
-                Ok(PutOutcome::Unchanged)
-            }
-            (GroupConfig::Elastic(have), GroupConfig::Elastic(want)) => {
-                if have.max_members != want.max_members {
-                    return Err(ApiError::Conflict(format!(
-                        "the group has {} partitions; the partition count never changes: {recreate}",
-                        have.max_members
-                    )));
-                }
-                if have.partitioning_filters != want.partitioning_filters {
-                    return Err(ApiError::Conflict(format!("the group's partitioning filters differ: {recreate}")));
-                }
-                if have.max_buffered_msgs != want.max_buffered_msgs
-                    || have.max_buffered_bytes != want.max_buffered_bytes
-                {
-                    return Err(ApiError::Conflict(format!("the group's buffer limits differ: {recreate}")));
-                }
-                let same_members = sorted(&have.members) == sorted(&want.members);
-                if !membership_given || (same_members && have.member_mappings == want.member_mappings) {
-                    return Ok(PutOutcome::Unchanged);
-                }
-                let mut next = have.clone();
-                next.members = want.members.clone();
-                next.member_mappings = want.member_mappings.clone();
+        match (plan, existing) {
+            (Reconcile::Unchanged, _) => Ok(PutOutcome::Unchanged),
+            (Reconcile::Membership(next), Some(stored)) => {
+                let store = self.bucket_or_create(bucket_name, replicas).await?;
                 store
-                    .update(key, Bytes::from(go_json(&next)), existing.revision)
+                    .update(key, Bytes::from(go_json(&next)), stored.revision)
                     .await
                     .map_err(|e| cas_error("updating membership", e))?;
                 Ok(PutOutcome::Updated)
             }
-            _ => Err(ApiError::Conflict("the group exists with another kind".into())),
+            _ => {
+                let store = self.bucket_or_create(bucket_name, replicas).await?;
+                match store.create(key, config_bytes(config)).await {
+                    Ok(_) => Ok(PutOutcome::Created),
+                    Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
+                        Err(ApiError::Conflict("the group was created concurrently; read it and retry".into()))
+                    }
+                    Err(e) => Err(unavailable_or_internal("storing group", e)),
+                }
+            }
         }
+    }
+
+    /// Static consumers are named `<group>-<member>`: refuse a group whose
+    /// names another group on the stream already uses (`g` + `x-m` and
+    /// `g-x` + `m` would share `g-x-m`).
+    async fn check_consumer_names_free(
+        &self,
+        stream: &StreamName,
+        group: &GroupName,
+        config: &GroupConfig,
+    ) -> Result<(), ApiError> {
+        let ours: Vec<String> = member_names(config).map(|m| static_consumer_name(group.as_str(), m)).collect();
+        for summary in self.list(stream).await? {
+            if summary.kind != GroupKind::Static || summary.group == group.as_str() {
+                continue;
+            }
+            let Some(other) = self.read(GroupKind::Static, stream.as_str(), &summary.group).await? else { continue };
+            for member in member_names(&other.config) {
+                let theirs = static_consumer_name(&summary.group, member);
+                if ours.contains(&theirs) {
+                    return Err(ApiError::Conflict(format!(
+                        "consumer {theirs} already belongs to group {} on {stream}; choose other group or member names",
+                        summary.group
+                    )));
+                }
+            }
+        }
+        Ok(())
     }
 
     async fn ensure_work_queue(
@@ -278,7 +284,9 @@ impl GroupAdmin {
         group: &str,
         config: &ElasticGroupConfig,
         source: &stream::Info,
-    ) -> Result<(), ApiError> {
+    ) -> Result<bool, ApiError> {
+        let name = elastic_stream_name(stream, group);
+        let existed = self.js.get_stream_no_info(&name).await.is_ok();
         let filters = config.partitioning_filters.clone().unwrap_or_default();
         let transforms: Vec<stream::SubjectTransform> = if filters.is_empty() {
             let all = SubjectPattern::parse(">").expect("> is a valid filter");
@@ -304,7 +312,7 @@ impl GroupAdmin {
                 .collect()
         };
         let wq = stream::Config {
-            name: elastic_stream_name(stream, group),
+            name: name.clone(),
             retention: stream::RetentionPolicy::WorkQueue,
             num_replicas: source.config.num_replicas,
             storage: source.config.storage,
@@ -319,11 +327,10 @@ impl GroupAdmin {
             allow_direct: true,
             ..Default::default()
         };
-        self.js.create_stream(wq).await.map(|_| ()).map_err(|e| {
+        self.js.create_stream(wq).await.map(|_| !existed).map_err(|e| {
             if jetstream_error_code(&e) == Some(crate::nats::errors::codes::STREAM_NAME_IN_USE) {
                 ApiError::Conflict(format!(
-                    "stream {} already exists with another configuration; delete it or pick another group name",
-                    elastic_stream_name(stream, group)
+                    "stream {name} already exists with another configuration; delete it or pick another group name"
                 ))
             } else {
                 unavailable_or_internal("creating the group's work-queue stream", e)
@@ -377,20 +384,11 @@ impl GroupAdmin {
         let stored = self.load(stream, group, kind).await?;
         let key = config_key(stream.as_str(), group.as_str());
         match &stored.config {
-            GroupConfig::Static(config) => {
-                let store =
-                    self.bucket(STATIC_BUCKET).await?.ok_or_else(|| ApiError::NotFound("group not found".into()))?;
-                store.delete(&key).await.map_err(|e| unavailable_or_internal("deleting group", e))?;
+            GroupConfig::Static(_) => {
                 // Only this group's members' consumers: pcgroups deletes every
                 // consumer named `<group>-*`, which can belong to other groups.
-                let names: Vec<String> = config
-                    .members
-                    .iter()
-                    .cloned()
-                    .chain(config.member_mappings.iter().map(|m| m.member.clone()))
-                    .collect();
-                for member in names {
-                    let consumer = static_consumer_name(group.as_str(), &member);
+                for member in member_names(&stored.config) {
+                    let consumer = static_consumer_name(group.as_str(), member);
                     match self.js.delete_consumer_from_stream(&consumer, stream.as_str()).await {
                         Ok(_) => {}
                         Err(e) if is_not_found(&e) => {}
@@ -399,15 +397,20 @@ impl GroupAdmin {
                 }
             }
             GroupConfig::Elastic(_) => {
-                let store =
-                    self.bucket(ELASTIC_BUCKET).await?.ok_or_else(|| ApiError::NotFound("group not found".into()))?;
-                store.delete(&key).await.map_err(|e| unavailable_or_internal("deleting group", e))?;
                 match self.js.delete_stream(elastic_stream_name(stream.as_str(), group.as_str())).await {
                     Ok(_) => {}
                     Err(e) if is_not_found(&e) => {}
                     Err(e) => return Err(unavailable_or_internal("deleting the group's work-queue stream", e)),
                 }
             }
+        }
+        // The configuration goes last, so a delete that fails half-way can be retried.
+        let bucket_name = match stored.config.kind() {
+            GroupKind::Static => STATIC_BUCKET,
+            GroupKind::Elastic => ELASTIC_BUCKET,
+        };
+        if let Some(store) = self.bucket(bucket_name).await? {
+            store.delete(&key).await.map_err(|e| unavailable_or_internal("deleting group", e))?;
         }
         if let Some(settings) = self.bucket(SETTINGS_BUCKET).await? {
             let _ = settings.purge(&key).await;
@@ -598,17 +601,25 @@ impl GroupAdmin {
         }
         let owner_of: BTreeMap<u32, String> =
             owners.iter().flat_map(|(m, ps)| ps.iter().map(move |p| (*p, m.clone()))).collect();
-        let pending = match config {
-            GroupConfig::Static(c) => self.static_pending(stream.as_str(), c, &owner_of, &floors).await?,
+        // Backlog is best effort: a GET still answers when it cannot be counted.
+        let counted = match config {
+            GroupConfig::Static(c) => self.static_pending(stream.as_str(), c, &owner_of, &floors).await,
             GroupConfig::Elastic(_) => {
-                self.elastic_pending(&elastic_stream_name(stream.as_str(), group.as_str()), partitions).await?
+                self.subject_counts(&elastic_stream_name(stream.as_str(), group.as_str()), partitions).await
+            }
+        };
+        let pending = match counted {
+            Ok(counts) => Some(counts),
+            Err(e) => {
+                tracing::warn!(error = %e, %stream, %group, "could not count the group's backlog");
+                None
             }
         };
         let partition_pending = (0..partitions)
             .map(|p| PartitionPending {
                 partition: p,
                 member: owner_of.get(&p).cloned(),
-                pending: pending.get(&p).copied().unwrap_or(0),
+                pending: pending.as_ref().map(|counts| counts.get(&p).copied().unwrap_or(0)),
             })
             .collect();
         let raw: serde_json::Value = serde_json::from_slice(&stored.raw).unwrap_or(serde_json::Value::Null);
@@ -709,9 +720,9 @@ impl GroupAdmin {
         Ok(counts)
     }
 
-    /// An elastic group's backlog per partition: what is left in its
-    /// work-queue stream, by leading partition token.
-    async fn elastic_pending(&self, wq_stream: &str, partitions: u32) -> Result<BTreeMap<u32, u64>, ApiError> {
+    /// Messages a stream stores per leading partition token: an elastic
+    /// group's backlog (what is left in its work-queue stream).
+    async fn subject_counts(&self, wq_stream: &str, partitions: u32) -> Result<BTreeMap<u32, u64>, ApiError> {
         let handle = match self.js.get_stream(wq_stream).await {
             Ok(h) => h,
             Err(e) if is_not_found(&e) => return Ok(BTreeMap::new()),
@@ -731,6 +742,94 @@ impl GroupAdmin {
         }
         Ok(counts)
     }
+}
+
+/// What `PUT` of an existing group does.
+#[derive(Debug, Clone, PartialEq)]
+enum Reconcile {
+    Create,
+    Unchanged,
+    Membership(ElasticGroupConfig),
+}
+
+/// Compares an existing group with a `PUT`: the partition count, filters
+/// and buffer limits never change; an elastic group's membership may.
+fn plan_reconcile(have: &GroupConfig, want: &GroupConfig, membership_given: bool) -> Result<Reconcile, ApiError> {
+    let recreate = "delete and recreate the group to change it";
+    if have.partitions() != want.partitions() {
+        return Err(ApiError::Conflict(format!(
+            "the group has {} partitions; the partition count never changes: {recreate}",
+            have.partitions()
+        )));
+    }
+    match (have, want) {
+        (GroupConfig::Static(have), GroupConfig::Static(want)) => {
+            if have.filters != want.filters {
+                return Err(ApiError::Conflict(format!("the group's filters differ: {recreate}")));
+            }
+            if membership_given && (have.members != want.members || have.member_mappings != want.member_mappings) {
+                return Err(ApiError::Conflict(format!("a static group's membership is fixed: {recreate}")));
+            }
+            Ok(Reconcile::Unchanged)
+        }
+        (GroupConfig::Elastic(have), GroupConfig::Elastic(want)) => {
+            if have.partitioning_filters != want.partitioning_filters {
+                return Err(ApiError::Conflict(format!("the group's partitioning filters differ: {recreate}")));
+            }
+            if have.max_buffered_msgs != want.max_buffered_msgs || have.max_buffered_bytes != want.max_buffered_bytes {
+                return Err(ApiError::Conflict(format!("the group's buffer limits differ: {recreate}")));
+            }
+            let same_members = sorted(&have.members) == sorted(&want.members);
+            if !membership_given || (same_members && have.member_mappings == want.member_mappings) {
+                return Ok(Reconcile::Unchanged);
+            }
+            let mut next = have.clone();
+            next.members = want.members.clone();
+            next.member_mappings = want.member_mappings.clone();
+            Ok(Reconcile::Membership(next))
+        }
+        _ => Err(ApiError::Conflict("the group exists with another kind".into())),
+    }
+}
+
+/// Every member a configuration names (balanced or mapped).
+fn member_names(config: &GroupConfig) -> impl Iterator<Item = &str> {
+    config.members().iter().map(String::as_str).chain(config.mappings().iter().map(|m| m.member.as_str()))
+}
+
+/// What the stream stores: its subjects, or what its transform makes of them.
+fn stored_patterns(info: &stream::Info) -> Vec<SubjectPattern> {
+    match &info.config.subject_transform {
+        Some(t) => {
+            let dest: Vec<String> = t
+                .destination
+                .split('.')
+                .map(|token| if token.starts_with("{{") { "*".to_owned() } else { token.to_owned() })
+                .collect();
+            SubjectPattern::parse(&dest.join(".")).into_iter().collect()
+        }
+        None => info.config.subjects.iter().filter_map(|s| SubjectPattern::parse(s).ok()).collect(),
+    }
+}
+
+/// An elastic group's filters must match something the stream stores: over
+/// a partition-stamped stream, `orders.*` matches nothing (it stores
+/// `<p>.orders.<key>`).
+fn check_elastic_filters(info: &stream::Info, config: &ElasticGroupConfig) -> Result<(), ApiError> {
+    let stored = stored_patterns(info);
+    for pf in config.partitioning_filters.iter().flatten() {
+        let Ok(filter) = SubjectPattern::parse(&pf.filter) else { continue };
+        if !stored.iter().any(|s| s.overlaps(&filter)) {
+            let stored_text: Vec<String> = stored.iter().map(SubjectPattern::as_string).collect();
+            return Err(ApiError::Unprocessable(format!(
+                "filter {:?} matches nothing stream {} stores ({}); a partition-stamped stream stores <partition>.<subject>",
+                pf.filter,
+                info.config.name,
+                stored_text.join(", ")
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn parse_config(kind: GroupKind, raw: &[u8]) -> Result<GroupConfig, String> {

@@ -79,8 +79,9 @@ pub struct PartitionPending {
     pub partition: u32,
     /// The member owning it (none when no member does).
     pub member: Option<String>,
-    /// Messages not yet acknowledged by the owner.
-    pub pending: u64,
+    /// Messages not yet acknowledged by the owner (`null` when they could
+    /// not be counted).
+    pub pending: Option<u64>,
 }
 
 /// A group's name and flavour.

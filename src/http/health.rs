@@ -43,7 +43,10 @@ pub async fn readyz(State(state): State<AppState>) -> Result<Json<Readiness>, Ap
     }
     match tokio::time::timeout(Duration::from_secs(2), state.js.query_account()).await {
         Ok(Ok(_)) => Ok(Json(Readiness { status: "ready".into(), nats_connected: true, jetstream: true })),
-        Ok(Err(e)) => Err(ApiError::Unavailable(format!("not ready: JetStream did not answer ({e})"))),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "readiness: JetStream account request failed");
+            Err(ApiError::Unavailable("not ready: JetStream did not answer".into()))
+        }
         Err(_) => Err(ApiError::Unavailable("not ready: JetStream did not answer within 2 s".into())),
     }
 }

@@ -50,7 +50,7 @@ pub async fn publish_message(
     let key = idempotency_key(&headers)?;
     let shape = state.streams.shape(&stream).await?;
     let prepared = publish::prepare(&shape, request, key.as_deref(), state.max_payload())?;
-    let mut results = publish::publish_all(&state.js, stream.as_str(), vec![Ok(prepared)]).await;
+    let mut results = publish::publish_all(&state.js, &shape, vec![Ok(prepared)]).await;
     results.pop().unwrap_or_else(|| Err(ApiError::Internal("no publish result".into()))).map(Json)
 }
 
@@ -87,7 +87,7 @@ pub async fn publish_batch(
     let shape = state.streams.shape(&stream).await?;
     let max_payload = state.max_payload();
     let prepared = batch.messages.into_iter().map(|m| publish::prepare(&shape, m, None, max_payload)).collect();
-    let results = publish::publish_all(&state.js, stream.as_str(), prepared)
+    let results = publish::publish_all(&state.js, &shape, prepared)
         .await
         .into_iter()
         .map(|r| match r {

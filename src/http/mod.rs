@@ -8,7 +8,9 @@ pub mod messages;
 pub mod streams;
 
 use axum::extract::DefaultBodyLimit;
+use axum::response::{IntoResponse, Response};
 use axum::Router;
+use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::trace::TraceLayer;
 use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
@@ -64,10 +66,22 @@ pub fn openapi_json() -> String {
 pub fn router(state: AppState) -> Router {
     let (api, doc) = api();
     let body_limit = state.settings.max_body_bytes;
-    api.merge(utoipa_swagger_ui::SwaggerUi::new("/docs").url("/openapi.json", doc))
+    let docs: Router<AppState> = Router::from(utoipa_swagger_ui::SwaggerUi::new("/docs").url("/openapi.json", doc))
+        .layer(axum::middleware::map_response(docs_problem));
+    api.merge(docs)
         .fallback(|| async { ApiError::NotFound("no such route".into()) })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed("method not allowed on this route".into()) })
         .layer(DefaultBodyLimit::max(body_limit))
+        .layer(CatchPanicLayer::custom(|_| ApiError::Internal("a handler panicked".into()).into_response()))
         .layer(TraceLayer::new_for_http())
         .with_state(state)
+}
+
+/// Swagger UI answers unknown files with a bare 404; keep every error problem+json.
+async fn docs_problem(response: Response) -> Response {
+    if response.status() == axum::http::StatusCode::NOT_FOUND {
+        ApiError::NotFound("no such documentation file".into()).into_response()
+    } else {
+        response
+    }
 }

@@ -22,7 +22,8 @@ pub fn unavailable_or_internal(what: &str, err: impl Display) -> ApiError {
         "leader",
     ];
     if transient.iter().any(|needle| lower.contains(needle)) {
-        ApiError::Unavailable(format!("{what}: NATS did not answer ({text}); retry later"))
+        tracing::warn!(error = %text, "{what}: NATS did not answer");
+        ApiError::Unavailable(format!("{what}: NATS or JetStream did not answer; retry later"))
     } else {
         ApiError::Internal(format!("{what}: {text}"))
     }

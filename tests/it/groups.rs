@@ -289,6 +289,12 @@ async fn invalid_groups_are_refused_and_change_nothing() {
         ("/v1/streams/PLAIN/groups/g", json!({"kind":"static","partitions":4}), 422),
         ("/v1/streams/NOPE/groups/g", json!({"kind":"elastic","partitions":4}), 404),
         ("/v1/streams/ORDERS/groups/bad.group", json!({"kind":"static","partitions":4}), 400),
+        // The stamped stream stores `<p>.orders.<key>`: `orders.*` would match nothing.
+        (
+            "/v1/streams/ORDERS/groups/g",
+            json!({"kind":"elastic","partitions":4,"partitioning_filters":[{"filter":"orders.*","wildcards":[1]}]}),
+            422,
+        ),
     ];
     for (path, body, want) in cases {
         let (status, problem) = app.put(path, body.clone()).await;
@@ -296,7 +302,8 @@ async fn invalid_groups_are_refused_and_change_nothing() {
     }
     let (_, list) = app.get("/v1/streams/ORDERS/groups").await;
     assert_eq!(list, json!([]));
-    assert!(app.kv_raw("static-consumer-groups", "ORDERS.g").await.is_none());
+    assert!(app.js.get_key_value("static-consumer-groups").await.is_err(), "no bucket was created");
+    assert!(app.js.get_key_value("elastic-consumer-groups").await.is_err(), "no bucket was created");
 
     // A name used by one flavour cannot be created as the other.
     let (status, _) = app.put("/v1/streams/ORDERS/groups/g", json!({"kind":"static","partitions":4})).await;
@@ -428,4 +435,40 @@ async fn a_purged_config_key_means_the_group_is_gone() {
     kv.purge("ORDERS.g").await.unwrap();
     let (status, _) = app.get("/v1/streams/ORDERS/groups/g").await;
     assert_eq!(status, 404);
+}
+
+#[tokio::test]
+async fn static_consumer_names_that_would_collide_are_refused() {
+    let app = TestApp::start().await;
+    stamped_stream(&app, 2).await;
+    let (status, _) =
+        app.put("/v1/streams/ORDERS/groups/g", json!({"kind":"static","partitions":2,"members":["x-m1"]})).await;
+    assert_eq!(status, 201);
+    // `g-x` + `m1` is consumer `g-x-m1`, which `g` + `x-m1` already uses.
+    let (status, problem) =
+        app.put("/v1/streams/ORDERS/groups/g-x", json!({"kind":"static","partitions":2,"members":["m1"]})).await;
+    assert_eq!(status, 409, "{problem}");
+    assert!(app.kv_raw("static-consumer-groups", "ORDERS.g-x").await.is_none());
+}
+
+#[tokio::test]
+async fn an_elastic_group_over_a_stamped_stream_partitions_the_stamped_subjects() {
+    let app = TestApp::start().await;
+    stamped_stream(&app, 4).await;
+    let (status, view) = app
+        .put(
+            "/v1/streams/ORDERS/groups/e",
+            json!({"kind":"elastic","partitions":2,"partitioning_filters":[{"filter":"*.orders.*","wildcards":[2]}],"members":["a"]}),
+        )
+        .await;
+    assert_eq!(status, 201, "{view}");
+    let (_, acks) =
+        app.post("/v1/streams/ORDERS/messages/batch", json!({"messages":[{"key":"a"},{"key":"b"},{"key":"c"}]})).await;
+    assert!(acks["results"].as_array().unwrap().iter().all(|r| r["seq"].is_u64()));
+    eventually(Duration::from_secs(10), || async {
+        let (_, view) = app.get("/v1/streams/ORDERS/groups/e").await;
+        let total: u64 = view["partition_pending"].as_array()?.iter().filter_map(|p| p["pending"].as_u64()).sum();
+        (total == 3).then_some(())
+    })
+    .await;
 }

@@ -43,4 +43,6 @@ async fn the_document_and_an_offline_docs_page_are_served() {
     assert!(!html.contains("https://"), "no assets from a CDN");
     let js = app.http.get(app.url("/docs/swagger-ui-bundle.js")).send().await.unwrap();
     assert_eq!(js.status(), 200, "Swagger UI's script is served by keygate itself");
+    let (status, _) = app.get("/docs/no-such-file.js").await;
+    assert_eq!(status, 404);
 }

@@ -279,3 +279,36 @@ async fn an_explicit_subject_pattern_lands_keys_where_the_stream_subject_does() 
         assert_eq!(x["subject"], y["subject"]);
     }
 }
+
+#[tokio::test]
+async fn many_concurrent_batches_all_complete() {
+    let app = TestApp::start().await;
+    app.create_stream("MANY", json!({"subjects":["many.*"],"partitions":8})).await;
+    let batches = (0..70).map(|b| {
+        let app = &app;
+        async move {
+            let messages: Vec<Value> = (0..1000).map(|i| json!({"key": format!("k{}", (b * 1000 + i) % 97)})).collect();
+            let fut = app.post("/v1/streams/MANY/messages/batch", json!({"messages": messages}));
+            tokio::time::timeout(std::time::Duration::from_secs(120), fut).await.expect("the batch finished")
+        }
+    });
+    for (status, body) in futures::future::join_all(batches).await {
+        assert_eq!(status, 200);
+        assert!(body["results"].as_array().unwrap().iter().all(|r| r["seq"].is_u64()));
+    }
+    let (_, view) = app.get("/v1/streams/MANY").await;
+    assert_eq!(view["messages"], 70_000);
+}
+
+#[tokio::test]
+async fn a_duplicate_answers_where_the_first_message_was_stored() {
+    let app = TestApp::start().await;
+    app.create_stream("DUP", json!({"subjects":["dup.*"],"partitions":16})).await;
+    let (_, first) = app.post("/v1/streams/DUP/messages", json!({"key":"alice","msg_id":"x1"})).await;
+    let (_, retry) = app.post("/v1/streams/DUP/messages", json!({"key":"bob","msg_id":"x1"})).await;
+    assert_eq!(retry["duplicate"], true);
+    assert_eq!(retry["seq"], first["seq"]);
+    assert_eq!(retry["key"], "alice");
+    assert_eq!(retry["subject"], "dup.alice");
+    assert_eq!(retry["partition"], first["partition"]);
+}

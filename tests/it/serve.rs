@@ -30,7 +30,7 @@ async fn serve_without_a_url_runs_supervises_and_stops_its_own_nats_server() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let http = reqwest::Client::new();
+    let http = crate::support::http_client();
     let base = format!("http://127.0.0.1:{port}");
     let ready = || async {
         let r = http.get(format!("{base}/readyz")).send().await.ok()?;

@@ -83,3 +83,13 @@ async fn overlapping_subjects_are_a_conflict() {
     let (status, _) = app.put("/v1/streams/TWO", json!({"subjects":["x.*"]})).await;
     assert_eq!(status, 409);
 }
+
+#[tokio::test]
+async fn an_identical_put_with_explicit_defaults_is_unchanged() {
+    let app = TestApp::start().await;
+    let spec = json!({"subjects":["z.*"],"partitions":2,"max_msgs":0,"max_bytes":0,"duplicate_window_ms":0,"description":"","storage":"file","replicas":1,"max_age_ms":0});
+    let (status, _) = app.put("/v1/streams/Z", spec.clone()).await;
+    assert_eq!(status, 201);
+    let (status, body) = app.put("/v1/streams/Z", spec).await;
+    assert_eq!(status, 200, "{body}");
+}

