@@ -10,7 +10,10 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{NatsTarget, Settings};
+use crate::delivery::webhook::{WebhookClient, WebhookStore};
+use crate::events::EventBus;
 use crate::groups::GroupAdmin;
+use crate::member::instance::InstanceContext;
 use crate::nats::connect::{connect, jetstream};
 use crate::nats::embedded::EmbeddedServer;
 use crate::streams::Streams;
@@ -26,16 +29,21 @@ pub struct AppState {
     pub js: async_nats::jetstream::Context,
     pub streams: Streams,
     pub groups: GroupAdmin,
+    pub webhooks: WebhookStore,
+    pub events: EventBus,
 }
 
 impl AppState {
     /// State over an established NATS connection.
     pub fn new(settings: Settings, nats: async_nats::Client) -> Self {
         let js = jetstream(nats.clone(), settings.nats_timeout);
+        let policy = Arc::new(settings.destinations.clone());
         Self {
             settings: Arc::new(settings),
             streams: Streams::new(js.clone()),
             groups: GroupAdmin::new(js.clone()),
+            webhooks: WebhookStore::new(js.clone(), policy),
+            events: EventBus::new(nats.clone()),
             nats,
             js,
         }
@@ -65,6 +73,19 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
     };
     let nats = connect(&url, &auth).await?;
     let state = AppState::new(settings, nats.clone());
+    let instances = Arc::new(InstanceContext {
+        js: state.js.clone(),
+        nats: nats.clone(),
+        events: state.events.clone(),
+        webhooks: WebhookClient::new(Arc::new(state.settings.destinations.clone()))?,
+        webhook_store: state.webhooks.clone(),
+        groups: state.groups.clone(),
+        instance_id: format!("keygate-{}", nats.new_inbox().rsplit('.').next().unwrap_or("0")),
+        hold_cap: state.settings.hold_cap,
+        shutdown_grace: state.settings.delivery_grace,
+    });
+    let members_token = CancellationToken::new();
+    let members = tokio::spawn(crate::member::supervisor::supervise(instances, members_token.clone()));
     let app = crate::http::router(state);
     tracing::info!(address = %listener.local_addr()?, "keygate listening");
     let server = axum::serve(listener, app).with_graceful_shutdown(shutdown.clone().cancelled_owned());
@@ -76,6 +97,8 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
         } => tracing::warn!(grace = ?SHUTDOWN_GRACE, "requests still running at shutdown; stopping anyway"),
     }
     tracing::info!("shutting down");
+    members_token.cancel();
+    let _ = members.await;
     if let Err(e) = nats.drain().await {
         tracing::warn!(error = %e, "draining NATS");
     }

@@ -39,6 +39,12 @@ pub struct Settings {
     pub max_batch_messages: usize,
     /// Largest request body accepted, in bytes.
     pub max_body_bytes: usize,
+    /// Where webhooks may be delivered.
+    pub destinations: crate::delivery::destination::DestinationPolicy,
+    /// Most messages held behind one partition's head before intake slows.
+    pub hold_cap: usize,
+    /// How long shutdown waits for webhook deliveries in flight.
+    pub delivery_grace: Duration,
 }
 
 impl Settings {
@@ -50,6 +56,9 @@ impl Settings {
             nats_timeout: Duration::from_secs(5),
             max_batch_messages: 1000,
             max_body_bytes: 16 * 1024 * 1024,
+            destinations: Default::default(),
+            hold_cap: 256,
+            delivery_grace: Duration::from_secs(10),
         }
     }
 }

@@ -3,9 +3,12 @@
 
 pub mod app;
 pub mod config;
+pub mod delivery;
 pub mod error;
+pub mod events;
 pub mod groups;
 pub mod http;
+pub mod member;
 pub mod names;
 pub mod nats;
 pub mod partition;

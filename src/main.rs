@@ -29,7 +29,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the HTTP API (and, without --nats-url, a local nats-server).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Print the OpenAPI document (or write it to a file).
     Openapi {
         /// Write here instead of standard output.
@@ -87,6 +87,18 @@ struct ServeArgs {
     /// Largest request body, in bytes.
     #[arg(long, env = "KEYGATE_MAX_BODY_BYTES", default_value_t = 16 * 1024 * 1024)]
     max_body_bytes: usize,
+    /// Hosts webhooks may always be delivered to (comma-separated names or IPs).
+    #[arg(long, env = "KEYGATE_WEBHOOK_ALLOWED_HOSTS", value_delimiter = ',')]
+    webhook_allowed_hosts: Vec<String>,
+    /// Allow webhooks to private-network addresses (10/8, 172.16/12, 192.168/16, link-local, fc00::/7).
+    #[arg(long, env = "KEYGATE_WEBHOOK_ALLOW_PRIVATE")]
+    webhook_allow_private: bool,
+    /// Allow webhooks to public internet addresses.
+    #[arg(long, env = "KEYGATE_WEBHOOK_ALLOW_PUBLIC")]
+    webhook_allow_public: bool,
+    /// Messages held behind one blocked partition's head before intake slows.
+    #[arg(long, env = "KEYGATE_HOLD_CAP", default_value_t = 256)]
+    hold_cap: usize,
     /// Log format.
     #[arg(long, env = "KEYGATE_LOG_FORMAT", value_enum, default_value = "pretty")]
     log_format: LogFormat,
@@ -116,6 +128,13 @@ impl ServeArgs {
             nats_timeout: Duration::from_millis(self.nats_timeout_ms.max(1)),
             max_batch_messages: usize::from(self.max_batch_messages),
             max_body_bytes: self.max_body_bytes,
+            destinations: keygate::delivery::destination::DestinationPolicy {
+                allowed_hosts: self.webhook_allowed_hosts.clone(),
+                allow_private: self.webhook_allow_private,
+                allow_public: self.webhook_allow_public,
+            },
+            hold_cap: self.hold_cap.max(1),
+            delivery_grace: Duration::from_secs(10),
         }
     }
 }

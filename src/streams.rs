@@ -372,17 +372,21 @@ impl Streams {
         Ok(view(&info))
     }
 
-    /// Every stream, by name.
-    pub async fn list(&self) -> Result<Vec<StreamView>, ApiError> {
-        let mut all: Vec<StreamView> = self
+    /// Every stream, by name; the storage streams behind KV buckets and
+    /// object stores (`KV_*`, `OBJ_*`) only with `all`.
+    pub async fn list(&self, all: bool) -> Result<Vec<StreamView>, ApiError> {
+        let mut streams: Vec<StreamView> = self
             .js
             .streams()
             .map_ok(|info| view(&info))
             .try_collect()
             .await
             .map_err(|e| unavailable_or_internal("listing streams", e))?;
-        all.sort_by(|a, b| a.name.cmp(&b.name));
-        Ok(all)
+        if !all {
+            streams.retain(|s| !s.name.starts_with("KV_") && !s.name.starts_with("OBJ_"));
+        }
+        streams.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(streams)
     }
 
     /// Deletes a stream and its messages.

@@ -113,7 +113,7 @@ impl GroupAdmin {
         if entry.operation != kv::Operation::Put {
             return Ok(None);
         }
-        let config = parse_config(kind, &entry.value).map_err(|why| {
+        let config = parse_stored(kind, &entry.value).map_err(|why| {
             ApiError::Unprocessable(format!(
                 "group {group} on {stream} has an invalid {} configuration: {why}",
                 kind.as_str()
@@ -582,6 +582,8 @@ impl GroupAdmin {
                         pinned_since: pin.and_then(|p| p.pinned_ts),
                         num_pending: info.num_pending,
                         num_ack_pending: info.num_ack_pending,
+                        serving_instance: None,
+                        fencing_token: None,
                     }
                 }
                 None => MemberState {
@@ -595,6 +597,8 @@ impl GroupAdmin {
                     pinned_since: None,
                     num_pending: 0,
                     num_ack_pending: 0,
+                    serving_instance: None,
+                    fencing_token: None,
                 },
             };
             assignment.push(state);
@@ -640,6 +644,7 @@ impl GroupAdmin {
             config: raw,
             assignment,
             partition_pending,
+            blocked: Vec::new(),
         };
         match config {
             GroupConfig::Static(c) => view.filters = Some(c.filters.clone()),
@@ -832,7 +837,8 @@ fn check_elastic_filters(info: &stream::Info, config: &ElasticGroupConfig) -> Re
     Ok(())
 }
 
-fn parse_config(kind: GroupKind, raw: &[u8]) -> Result<GroupConfig, String> {
+/// Parses and validates a stored configuration.
+pub fn parse_stored(kind: GroupKind, raw: &[u8]) -> Result<GroupConfig, String> {
     let config = match kind {
         GroupKind::Static => GroupConfig::Static(serde_json::from_slice(raw).map_err(|e| e.to_string())?),
         GroupKind::Elastic => GroupConfig::Elastic(serde_json::from_slice(raw).map_err(|e| e.to_string())?),

@@ -44,6 +44,26 @@ pub struct GroupView {
     pub assignment: Vec<MemberState>,
     /// Messages not yet acknowledged, per partition.
     pub partition_pending: Vec<PartitionPending>,
+    /// Partitions whose head message is retrying, as the keygate instances
+    /// holding the pins report them.
+    pub blocked: Vec<BlockedView>,
+}
+
+/// A partition whose head message is retrying.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct BlockedView {
+    pub partition: u32,
+    pub member: String,
+    /// Stream sequence of the head message.
+    pub seq: u64,
+    /// When its first attempt failed.
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub since: OffsetDateTime,
+    /// Attempts so far.
+    pub attempts: u64,
+    /// What the endpoint said last.
+    pub last_error: String,
 }
 
 /// One member's share of a group and its consumer's live state.
@@ -71,6 +91,10 @@ pub struct MemberState {
     pub num_pending: u64,
     /// Messages delivered and not yet acknowledged.
     pub num_ack_pending: usize,
+    /// The keygate instance delivering for this member (when keygate holds the pin).
+    pub serving_instance: Option<String>,
+    /// The fencing token of its current ownership.
+    pub fencing_token: Option<u64>,
 }
 
 /// Backlog of one partition.

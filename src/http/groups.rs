@@ -2,7 +2,7 @@
 
 use axum::extract::State;
 use axum::http::StatusCode;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
 use super::extract::{Json, Path, Query};
@@ -11,8 +11,9 @@ use crate::error::{ApiError, Problem};
 use crate::groups::admin::PutOutcome;
 use crate::groups::config::MemberMapping;
 use crate::groups::spec::Mapping;
-use crate::groups::view::{GroupSummary, GroupView, MembershipView};
+use crate::groups::view::{BlockedView, GroupSummary, GroupView, MembershipView};
 use crate::groups::{GroupKind, GroupSpec};
+use crate::member::instance::{ask, BlockedPartition, Control, MemberRef};
 use crate::names::{GroupName, MemberName, StreamName};
 
 /// Picks the flavour when a name is used by both.
@@ -92,7 +93,122 @@ pub async fn get_group(
     Path((stream, group)): Path<(StreamName, GroupName)>,
     Query(query): Query<KindQuery>,
 ) -> Result<Json<GroupView>, ApiError> {
-    Ok(Json(state.groups.view(&stream, &group, query.kind).await?))
+    let mut view = state.groups.view(&stream, &group, query.kind).await?;
+    add_runtime_state(&state, &stream, &group, &mut view).await;
+    Ok(Json(view))
+}
+
+/// Asks the keygate instances holding members' pins what they are doing.
+async fn add_runtime_state(state: &AppState, stream: &StreamName, group: &GroupName, view: &mut GroupView) {
+    let asks = view.assignment.iter().filter(|m| m.pinned_client_id.is_some()).filter_map(|m| {
+        let who =
+            MemberRef { stream: stream.clone(), group: group.clone(), member: MemberName::parse(&m.member).ok()? };
+        let nats = state.nats.clone();
+        Some(async move { (who.member.to_string(), ask(&nats, &who, &Control::Status).await) })
+    });
+    for (member, reply) in futures::future::join_all(asks).await {
+        let Some(reply) = reply else { continue };
+        if let Some(state) = view.assignment.iter_mut().find(|m| m.member == member) {
+            state.serving_instance = Some(reply.instance.clone());
+            state.fencing_token = Some(reply.fencing_token);
+        }
+        for b in reply.blocked {
+            view.blocked.push(BlockedView {
+                partition: b.partition,
+                member: member.clone(),
+                seq: b.seq,
+                since: b.since,
+                attempts: b.attempts,
+                last_error: b.last_error,
+            });
+        }
+    }
+    view.blocked.sort_by_key(|b| b.partition);
+}
+
+/// What a partition operation did.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct PartitionOperation {
+    pub partition: u32,
+    pub member: String,
+    /// The keygate instance that acted.
+    pub instance: String,
+    /// Partitions of the member still blocked afterwards.
+    pub blocked: Vec<BlockedPartition>,
+}
+
+async fn partition_operation(
+    state: &AppState,
+    stream: StreamName,
+    group: GroupName,
+    partition: u32,
+    control: Control,
+) -> Result<Json<PartitionOperation>, ApiError> {
+    let stored = state.groups.load(&stream, &group, None).await?;
+    let config = &stored.config;
+    if partition >= config.partitions() {
+        return Err(ApiError::NotFound(format!("group {group} has partitions 0 to {}", config.partitions() - 1)));
+    }
+    let owner = crate::groups::config::ownership(config.partitions(), config.members(), config.mappings())
+        .into_iter()
+        .find(|(_, ps)| ps.contains(&partition))
+        .map(|(m, _)| m)
+        .ok_or_else(|| ApiError::Conflict(format!("no member owns partition {partition}")))?;
+    let member = MemberName::parse(&owner)?;
+    let who = MemberRef { stream, group, member: member.clone() };
+    let reply = ask(&state.nats, &who, &control).await.ok_or_else(|| {
+        ApiError::Conflict(format!(
+            "no keygate instance holds member {member}'s pin, so nothing is delivering partition {partition}"
+        ))
+    })?;
+    if !reply.ok {
+        return Err(ApiError::Conflict(reply.error.unwrap_or_else(|| "the operation failed".into())));
+    }
+    Ok(Json(PartitionOperation {
+        partition,
+        member: member.to_string(),
+        instance: reply.instance,
+        blocked: reply.blocked,
+    }))
+}
+
+/// Terminates a blocked partition's head message (it is copied to the
+/// dead-letter stream) so the partition proceeds.
+#[utoipa::path(
+    post,
+    path = "/v1/streams/{stream}/groups/{group}/partitions/{partition}/skip",
+    tag = "groups",
+    params(("stream" = String, Path), ("group" = String, Path), ("partition" = u32, Path)),
+    responses(
+        (status = 200, description = "the head was dead-lettered", body = PartitionOperation),
+        (status = 404, description = "unknown group or partition", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "the partition is not blocked, or no keygate instance serves it", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn skip_partition(
+    State(state): State<AppState>,
+    Path((stream, group, partition)): Path<(StreamName, GroupName, u32)>,
+) -> Result<Json<PartitionOperation>, ApiError> {
+    partition_operation(&state, stream, group, partition, Control::Skip { partition }).await
+}
+
+/// Redelivers a blocked partition's head now instead of after its delay.
+#[utoipa::path(
+    post,
+    path = "/v1/streams/{stream}/groups/{group}/partitions/{partition}/retry-now",
+    tag = "groups",
+    params(("stream" = String, Path), ("group" = String, Path), ("partition" = u32, Path)),
+    responses(
+        (status = 200, description = "redelivery asked for", body = PartitionOperation),
+        (status = 404, description = "unknown group or partition", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "the partition is not blocked, or no keygate instance serves it", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn retry_partition_now(
+    State(state): State<AppState>,
+    Path((stream, group, partition)): Path<(StreamName, GroupName, u32)>,
+) -> Result<Json<PartitionOperation>, ApiError> {
+    partition_operation(&state, stream, group, partition, Control::RetryNow { partition }).await
 }
 
 /// Deletes a group: its configuration and its consumers (static) or

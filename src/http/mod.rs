@@ -1,11 +1,13 @@
 //! The HTTP API: routes, the OpenAPI document generated from the handlers,
 //! and problem+json answers for anything that does not route.
 
+pub mod events;
 pub mod extract;
 pub mod groups;
 pub mod health;
 pub mod messages;
 pub mod streams;
+pub mod webhooks;
 
 use axum::extract::DefaultBodyLimit;
 use axum::response::{IntoResponse, Response};
@@ -31,6 +33,8 @@ use crate::error::ApiError;
         (name = "streams", description = "Streams, optionally partition-stamped"),
         (name = "messages", description = "Keyed publishing"),
         (name = "groups", description = "Partitioned consumer groups (pcgroups-compatible)"),
+        (name = "webhooks", description = "Members served by webhook URLs"),
+        (name = "events", description = "Pin, assignment and verdict events"),
         (name = "health", description = "Liveness and readiness")
     )
 )]
@@ -51,6 +55,10 @@ pub fn api() -> (Router<AppState>, utoipa::openapi::OpenApi) {
         .routes(routes!(groups::drop_member))
         .routes(routes!(groups::put_mappings, groups::delete_mappings))
         .routes(routes!(groups::step_down))
+        .routes(routes!(groups::skip_partition))
+        .routes(routes!(groups::retry_partition_now))
+        .routes(routes!(webhooks::put_webhook, webhooks::get_webhook, webhooks::delete_webhook))
+        .routes(routes!(events::events))
         .split_for_parts()
 }
 

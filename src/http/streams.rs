@@ -3,7 +3,7 @@
 use axum::extract::State;
 use axum::http::StatusCode;
 
-use super::extract::{Json, Path};
+use super::extract::{Json, Path, Query};
 use crate::app::AppState;
 use crate::error::{ApiError, Problem};
 use crate::names::StreamName;
@@ -79,13 +79,26 @@ pub async fn delete_stream(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// Every stream on the server.
+/// Include the streams behind KV buckets and object stores.
+#[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct ListQuery {
+    /// Also list `KV_*` and `OBJ_*` streams (as `nats stream ls --all`).
+    #[serde(default)]
+    pub all: bool,
+}
+
+/// Every stream on the server (without KV and object-store streams unless `all=true`).
 #[utoipa::path(
     get,
     path = "/v1/streams",
     tag = "streams",
+    params(ListQuery),
     responses((status = 200, description = "streams by name", body = Vec<StreamView>))
 )]
-pub async fn list_streams(State(state): State<AppState>) -> Result<Json<Vec<StreamView>>, ApiError> {
-    Ok(Json(state.streams.list().await?))
+pub async fn list_streams(
+    State(state): State<AppState>,
+    Query(query): Query<ListQuery>,
+) -> Result<Json<Vec<StreamView>>, ApiError> {
+    Ok(Json(state.streams.list(query.all).await?))
 }

@@ -1,0 +1,195 @@
+//! Where webhooks may go. keygate is a sidecar: by default it calls its
+//! neighbour on loopback and hosts the operator listed; private networks
+//! and the public internet need an explicit allowance. Checked when a
+//! webhook is registered and again on every connection (a DNS answer can
+//! change after registration).
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::Arc;
+
+/// Which destinations webhooks may reach.
+#[derive(Debug, Clone, Default)]
+pub struct DestinationPolicy {
+    /// Host names (exact, case-insensitive) always allowed, whatever they resolve to.
+    pub allowed_hosts: Vec<String>,
+    /// Allow private, link-local and unique-local addresses.
+    pub allow_private: bool,
+    /// Allow public internet addresses.
+    pub allow_public: bool,
+}
+
+/// What kind of address a destination is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AddressClass {
+    Loopback,
+    Private,
+    Public,
+    /// Unspecified, multicast, broadcast, documentation: never a webhook.
+    Unusable,
+}
+
+/// Classifies an IP address.
+pub fn classify(ip: IpAddr) -> AddressClass {
+    match ip {
+        IpAddr::V4(v4) => classify_v4(v4),
+        IpAddr::V6(v6) => {
+            if let Some(v4) = v6.to_ipv4_mapped() {
+                return classify_v4(v4);
+            }
+            let first = v6.segments()[0];
+            if v6.is_loopback() {
+                AddressClass::Loopback
+            } else if v6.is_unspecified() || v6.is_multicast() || first == 0x2001 && v6.segments()[1] == 0x0db8 {
+                AddressClass::Unusable
+            } else if first & 0xfe00 == 0xfc00 || first & 0xffc0 == 0xfe80 {
+                AddressClass::Private
+            } else {
+                AddressClass::Public
+            }
+        }
+    }
+}
+
+fn classify_v4(ip: Ipv4Addr) -> AddressClass {
+    let [a, b, ..] = ip.octets();
+    if ip.is_loopback() {
+        AddressClass::Loopback
+    } else if ip.is_unspecified() || ip.is_broadcast() || ip.is_multicast() || ip.is_documentation() || a == 0 {
+        AddressClass::Unusable
+    } else if ip.is_private()
+        || ip.is_link_local()
+        || (a == 100 && (64..128).contains(&b))
+        || (a == 198 && (b == 18 || b == 19))
+    {
+        AddressClass::Private
+    } else {
+        AddressClass::Public
+    }
+}
+
+impl DestinationPolicy {
+    /// Whether `host` is on the operator's list.
+    pub fn host_listed(&self, host: &str) -> bool {
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        self.allowed_hosts.iter().any(|h| h.eq_ignore_ascii_case(host))
+    }
+
+    /// Why `ip` may not be called, if it may not.
+    pub fn refuse_address(&self, ip: IpAddr) -> Option<String> {
+        match classify(ip) {
+            AddressClass::Loopback => None,
+            AddressClass::Private if self.allow_private => None,
+            AddressClass::Public if self.allow_public => None,
+            AddressClass::Private => Some(format!(
+                "{ip} is a private-network address; allow it with --webhook-allow-private or list the host in --webhook-allowed-hosts"
+            )),
+            AddressClass::Public => Some(format!(
+                "{ip} is a public address; allow it with --webhook-allow-public or list the host in --webhook-allowed-hosts"
+            )),
+            AddressClass::Unusable => Some(format!("{ip} cannot be a webhook destination")),
+        }
+    }
+
+    /// Checks a webhook URL: scheme, host, and every address it resolves to.
+    pub async fn check_url(&self, url: &str) -> Result<reqwest::Url, String> {
+        let parsed = reqwest::Url::parse(url).map_err(|e| format!("{url:?} is not a valid URL: {e}"))?;
+        if !matches!(parsed.scheme(), "http" | "https") {
+            return Err(format!("webhook URLs must be http or https, not {}", parsed.scheme()));
+        }
+        if !parsed.username().is_empty() || parsed.password().is_some() {
+            return Err("webhook URLs must not carry credentials; use the signing secret".into());
+        }
+        let host = parsed.host_str().ok_or_else(|| format!("{url:?} has no host"))?.to_owned();
+        if self.host_listed(&host) {
+            return Ok(parsed);
+        }
+        let port = parsed.port_or_known_default().unwrap_or(80);
+        let bare = host.trim_start_matches('[').trim_end_matches(']');
+        let addresses: Vec<SocketAddr> = match bare.parse::<IpAddr>() {
+            Ok(ip) => vec![SocketAddr::new(ip, port)],
+            Err(_) => tokio::net::lookup_host((bare, port))
+                .await
+                .map_err(|e| format!("cannot resolve {host}: {e}"))?
+                .collect(),
+        };
+        if addresses.is_empty() {
+            return Err(format!("{host} resolves to no address"));
+        }
+        for address in &addresses {
+            if let Some(why) = self.refuse_address(address.ip()) {
+                return Err(format!("destination {host} not allowed: {why}"));
+            }
+        }
+        Ok(parsed)
+    }
+}
+
+/// A resolver for the webhook client that drops addresses the policy
+/// refuses, so a name that later resolves elsewhere is not called.
+pub struct PolicyResolver {
+    pub policy: Arc<DestinationPolicy>,
+}
+
+impl reqwest::dns::Resolve for PolicyResolver {
+    fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
+        let policy = self.policy.clone();
+        Box::pin(async move {
+            let host = name.as_str().to_owned();
+            let found: Vec<SocketAddr> = tokio::net::lookup_host((host.as_str(), 0)).await?.collect();
+            let listed = policy.host_listed(&host);
+            let allowed: Vec<SocketAddr> =
+                found.into_iter().filter(|a| listed || policy.refuse_address(a.ip()).is_none()).collect();
+            if allowed.is_empty() {
+                let err: Box<dyn std::error::Error + Send + Sync> =
+                    format!("destination {host} not allowed by the webhook destination policy").into();
+                return Err(err);
+            }
+            let addrs: reqwest::dns::Addrs = Box::new(allowed.into_iter());
+            Ok(addrs)
+        })
+    }
+}
+
+/// The unspecified IPv6 address, for tests.
+pub const UNSPECIFIED_V6: Ipv6Addr = Ipv6Addr::UNSPECIFIED;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_are_classified() {
+        let c = |s: &str| classify(s.parse().unwrap());
+        assert_eq!(c("127.0.0.1"), AddressClass::Loopback);
+        assert_eq!(c("::1"), AddressClass::Loopback);
+        assert_eq!(c("10.1.2.3"), AddressClass::Private);
+        assert_eq!(c("172.16.0.1"), AddressClass::Private);
+        assert_eq!(c("192.168.1.1"), AddressClass::Private);
+        assert_eq!(c("169.254.169.254"), AddressClass::Private);
+        assert_eq!(c("100.64.0.1"), AddressClass::Private);
+        assert_eq!(c("fd00::1"), AddressClass::Private);
+        assert_eq!(c("fe80::1"), AddressClass::Private);
+        assert_eq!(c("::ffff:10.0.0.1"), AddressClass::Private);
+        assert_eq!(c("8.8.8.8"), AddressClass::Public);
+        assert_eq!(c("2606:4700::1111"), AddressClass::Public);
+        assert_eq!(c("0.0.0.0"), AddressClass::Unusable);
+        assert_eq!(c("224.0.0.1"), AddressClass::Unusable);
+        assert_eq!(classify(IpAddr::V6(UNSPECIFIED_V6)), AddressClass::Unusable);
+    }
+
+    #[tokio::test]
+    async fn the_default_policy_allows_loopback_only() {
+        let policy = DestinationPolicy::default();
+        assert!(policy.check_url("http://127.0.0.1:9000/hook").await.is_ok());
+        assert!(policy.check_url("http://localhost:9000/hook").await.is_ok());
+        let refused = policy.check_url("http://169.254.169.254/latest/meta-data").await.unwrap_err();
+        assert!(refused.contains("private-network"), "{refused}");
+        assert!(policy.check_url("http://8.8.8.8/").await.unwrap_err().contains("public"));
+        assert!(policy.check_url("ftp://127.0.0.1/").await.is_err());
+        assert!(policy.check_url("http://user:pw@127.0.0.1/").await.is_err());
+        let open = DestinationPolicy { allow_private: true, ..Default::default() };
+        assert!(open.check_url("http://10.0.0.5/hook").await.is_ok());
+        let listed = DestinationPolicy { allowed_hosts: vec!["10.9.9.9".into()], ..Default::default() };
+        assert!(listed.check_url("http://10.9.9.9/hook").await.is_ok());
+    }
+}

@@ -1,0 +1,286 @@
+//! Webhook members: registrations (stored in keygate's own KV bucket, so
+//! every replica serves them) and the hardened HTTP client that calls them.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use async_nats::jetstream::{self, kv};
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use super::destination::{DestinationPolicy, PolicyResolver};
+use super::signing::SigningKey;
+use super::verdict::{judge, Judgement, Response};
+use crate::error::ApiError;
+use crate::nats::errors::{is_not_found, unavailable_or_internal};
+
+/// KV bucket of webhook registrations, key `<stream>.<group>.<member>`.
+pub const WEBHOOKS_BUCKET: &str = "keygate-webhooks";
+/// Most bytes of a response body keygate reads.
+pub const MAX_RESPONSE_BODY: usize = 64 * 1024;
+/// Longest `Retry-After` honoured.
+pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(15 * 60);
+
+/// Retry backoff: `initial_ms` doubling up to `max_ms`, with jitter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct Backoff {
+    #[schema(minimum = 1, example = 500)]
+    pub initial_ms: u64,
+    #[schema(minimum = 1, example = 60000)]
+    pub max_ms: u64,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Self { initial_ms: 500, max_ms: 60_000 }
+    }
+}
+
+/// A webhook as `PUT …/members/{member}/webhook` takes it.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct WebhookSpec {
+    /// Where messages are POSTed.
+    #[schema(example = "http://127.0.0.1:9000/orders")]
+    pub url: String,
+    /// Standard Webhooks signing secret (`whsec_…`); generated when omitted
+    /// on creation and returned once.
+    #[serde(default)]
+    pub secret: Option<String>,
+    /// How long one call may take (default 10000).
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+    /// Deliveries before a message is dead-lettered (default 10).
+    #[serde(default)]
+    pub max_attempts: Option<u64>,
+    /// Retry backoff (default 500 ms doubling to 60 s).
+    #[serde(default)]
+    pub backoff: Option<Backoff>,
+}
+
+/// A stored registration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Registration {
+    pub url: String,
+    pub secret: String,
+    pub timeout_ms: u64,
+    pub max_attempts: u64,
+    pub backoff: Backoff,
+}
+
+/// A registration as the API shows it.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct WebhookView {
+    pub stream: String,
+    pub group: String,
+    pub member: String,
+    pub url: String,
+    pub timeout_ms: u64,
+    pub max_attempts: u64,
+    pub backoff: Backoff,
+    /// The signing secret: only in the answer that generated it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
+}
+
+/// The registration key of a member.
+pub fn registration_key(stream: &str, group: &str, member: &str) -> String {
+    format!("{stream}.{group}.{member}")
+}
+
+/// Registrations over one JetStream context.
+#[derive(Clone)]
+pub struct WebhookStore {
+    js: jetstream::Context,
+    policy: Arc<DestinationPolicy>,
+}
+
+impl WebhookStore {
+    /// Registrations through `js`, checked against `policy`.
+    pub fn new(js: jetstream::Context, policy: Arc<DestinationPolicy>) -> Self {
+        Self { js, policy }
+    }
+
+    /// The bucket, created when missing.
+    pub async fn bucket(&self) -> Result<kv::Store, ApiError> {
+        if let Ok(store) = self.js.get_key_value(WEBHOOKS_BUCKET).await {
+            return Ok(store);
+        }
+        let config = kv::Config { bucket: WEBHOOKS_BUCKET.into(), history: 1, ..Default::default() };
+        match self.js.create_key_value(config).await {
+            Ok(store) => Ok(store),
+            Err(e) => {
+                self.js.get_key_value(WEBHOOKS_BUCKET).await.map_err(|_| unavailable_or_internal("webhook bucket", e))
+            }
+        }
+    }
+
+    /// Registers or replaces a member's webhook. Returns whether it was new.
+    pub async fn put(&self, key: &str, spec: WebhookSpec) -> Result<(bool, Registration, Option<String>), ApiError> {
+        let url = self.policy.check_url(&spec.url).await.map_err(ApiError::Unprocessable)?;
+        let timeout_ms = spec.timeout_ms.unwrap_or(10_000);
+        if !(1..=300_000).contains(&timeout_ms) {
+            return Err(ApiError::BadRequest("timeout_ms must be between 1 and 300000".into()));
+        }
+        let max_attempts = spec.max_attempts.unwrap_or(10);
+        if !(1..=1000).contains(&max_attempts) {
+            return Err(ApiError::BadRequest("max_attempts must be between 1 and 1000".into()));
+        }
+        let backoff = spec.backoff.unwrap_or_default();
+        if backoff.initial_ms == 0 || backoff.max_ms < backoff.initial_ms {
+            return Err(ApiError::BadRequest("backoff needs 0 < initial_ms <= max_ms".into()));
+        }
+        if let Some(secret) = &spec.secret {
+            SigningKey::parse(secret).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+        }
+        let store = self.bucket().await?;
+        let existing = self.read(&store, key).await?;
+        let mut generated = None;
+        let secret = match (spec.secret, &existing) {
+            (Some(given), _) => given,
+            (None, Some(old)) => old.secret.clone(),
+            (None, None) => {
+                let new = SigningKey::generate();
+                generated = Some(new.clone());
+                new
+            }
+        };
+        let registration = Registration { url: url.to_string(), secret, timeout_ms, max_attempts, backoff };
+        let bytes = Bytes::from(serde_json::to_vec(&registration).unwrap_or_default());
+        store.put(key, bytes).await.map_err(|e| unavailable_or_internal("storing webhook", e))?;
+        Ok((existing.is_none(), registration, generated))
+    }
+
+    async fn read(&self, store: &kv::Store, key: &str) -> Result<Option<Registration>, ApiError> {
+        let value = store.get(key).await.map_err(|e| unavailable_or_internal("reading webhook", e))?;
+        Ok(value.and_then(|v| serde_json::from_slice(&v).ok()))
+    }
+
+    /// A member's registration.
+    pub async fn get(&self, key: &str) -> Result<Option<Registration>, ApiError> {
+        match self.js.get_key_value(WEBHOOKS_BUCKET).await {
+            Ok(store) => self.read(&store, key).await,
+            Err(e) if is_not_found(&e) => Ok(None),
+            Err(e) => Err(unavailable_or_internal("reading webhook", e)),
+        }
+    }
+
+    /// Removes a member's registration; every replica stops serving it.
+    pub async fn delete(&self, key: &str) -> Result<bool, ApiError> {
+        if self.get(key).await?.is_none() {
+            return Ok(false);
+        }
+        let store = self.bucket().await?;
+        store.delete(key).await.map_err(|e| unavailable_or_internal("deleting webhook", e))?;
+        Ok(true)
+    }
+}
+
+/// One call to make.
+#[derive(Debug, Clone)]
+pub struct Outbound {
+    /// `webhook-id`: stable across retries.
+    pub id: String,
+    pub body: Bytes,
+    /// Headers besides the signature ones.
+    pub headers: Vec<(String, String)>,
+}
+
+/// The client that calls webhooks: no redirects, bounded time and bodies,
+/// destinations checked on every connection.
+#[derive(Clone)]
+pub struct WebhookClient {
+    http: reqwest::Client,
+    policy: Arc<DestinationPolicy>,
+}
+
+impl WebhookClient {
+    /// A client bound by `policy`.
+    pub fn new(policy: Arc<DestinationPolicy>) -> anyhow::Result<Self> {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let http = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .connect_timeout(Duration::from_secs(5))
+            .pool_idle_timeout(Duration::from_secs(30))
+            .pool_max_idle_per_host(64)
+            .no_proxy()
+            .user_agent(concat!("keygate/", env!("CARGO_PKG_VERSION")))
+            .dns_resolver(Arc::new(PolicyResolver { policy: policy.clone() }))
+            .build()?;
+        Ok(Self { http, policy })
+    }
+
+    /// POSTs one message and judges the answer.
+    pub async fn call(&self, registration: &Registration, key: &SigningKey, outbound: &Outbound) -> Judgement {
+        let now = SystemTime::now();
+        let timestamp = now.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
+        let signature = key.sign(&outbound.id, timestamp, &outbound.body);
+        if let Ok(url) = reqwest::Url::parse(&registration.url) {
+            if let Some(ip) = url.host_str().and_then(|h| h.trim_start_matches('[').trim_end_matches(']').parse().ok())
+            {
+                if !self.policy.host_listed(url.host_str().unwrap_or_default()) {
+                    if let Some(why) = self.policy.refuse_address(ip) {
+                        return judge(&Response::ConnectionError(why), now, MAX_RETRY_AFTER);
+                    }
+                }
+            }
+        }
+        let mut request = self
+            .http
+            .post(&registration.url)
+            .timeout(Duration::from_millis(registration.timeout_ms))
+            .header("webhook-id", &outbound.id)
+            .header("webhook-timestamp", timestamp.to_string())
+            .header("webhook-signature", signature);
+        for (name, value) in &outbound.headers {
+            request = request.header(name.as_str(), value.as_str());
+        }
+        let response = match request.body(outbound.body.clone()).send().await {
+            Ok(r) => r,
+            Err(e) if e.is_timeout() => return judge(&Response::Timeout, now, MAX_RETRY_AFTER),
+            Err(e) => return judge(&Response::ConnectionError(error_chain(&e)), now, MAX_RETRY_AFTER),
+        };
+        let status = response.status().as_u16();
+        let header = |name: &str| response.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+        let (retry_after, keygate_ack) = (header("retry-after"), header("keygate-ack"));
+        let body = match read_capped(response).await {
+            Ok(body) => body,
+            Err(e) if e.is_timeout() => return judge(&Response::Timeout, now, MAX_RETRY_AFTER),
+            Err(_) => Vec::new(),
+        };
+        judge(
+            &Response::Http {
+                status,
+                retry_after: retry_after.as_deref(),
+                keygate_ack: keygate_ack.as_deref(),
+                body: &body,
+            },
+            now,
+            MAX_RETRY_AFTER,
+        )
+    }
+}
+
+async fn read_capped(mut response: reqwest::Response) -> Result<Vec<u8>, reqwest::Error> {
+    let mut body = Vec::new();
+    while let Some(chunk) = response.chunk().await? {
+        let room = MAX_RESPONSE_BODY.saturating_sub(body.len());
+        body.extend_from_slice(&chunk[..chunk.len().min(room)]);
+        if body.len() >= MAX_RESPONSE_BODY {
+            break;
+        }
+    }
+    Ok(body)
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}

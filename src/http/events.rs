@@ -1,0 +1,75 @@
+//! `/v1/events`: server-sent events from every keygate replica.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use futures::{Stream, StreamExt};
+use serde::Deserialize;
+use utoipa::IntoParams;
+
+use super::extract::Query;
+use crate::app::AppState;
+use crate::error::{ApiError, Problem};
+use crate::events::subject_filter;
+use crate::names::{GroupName, MemberName, StreamName};
+
+/// Which events to follow.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct EventFilter {
+    /// Only this stream's.
+    #[param(value_type = Option<String>)]
+    pub stream: Option<StreamName>,
+    /// Only this group's.
+    #[param(value_type = Option<String>)]
+    pub group: Option<GroupName>,
+    /// Only this member's.
+    #[param(value_type = Option<String>)]
+    pub member: Option<MemberName>,
+    /// Only these types, comma-separated (e.g. `member.pinned,message.dead_lettered`).
+    pub types: Option<String>,
+}
+
+/// Pin, assignment and verdict events as server-sent events (`event:` is
+/// the type, `data:` the JSON event). Follows every replica's events.
+#[utoipa::path(
+    get,
+    path = "/v1/events",
+    tag = "events",
+    params(EventFilter),
+    responses(
+        (status = 200, description = "an event stream", content_type = "text/event-stream", body = crate::events::Event),
+        (status = 400, description = "invalid filter", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn events(
+    State(state): State<AppState>,
+    Query(filter): Query<EventFilter>,
+) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, ApiError> {
+    let subject = subject_filter(
+        filter.stream.as_ref().map(StreamName::as_str),
+        filter.group.as_ref().map(GroupName::as_str),
+        filter.member.as_ref().map(MemberName::as_str),
+    );
+    let types: Option<Vec<String>> =
+        filter.types.map(|t| t.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_owned).collect());
+    let subscription = state
+        .nats
+        .subscribe(subject)
+        .await
+        .map_err(|e| crate::nats::errors::unavailable_or_internal("subscribing to events", e))?;
+    let stream = subscription.filter_map(move |message| {
+        let types = types.clone();
+        async move {
+            let value: serde_json::Value = serde_json::from_slice(&message.payload).ok()?;
+            let kind = value.get("type")?.as_str()?.to_owned();
+            if types.as_ref().is_some_and(|t| !t.contains(&kind)) {
+                return None;
+            }
+            Some(Ok(SseEvent::default().event(kind).data(value.to_string())))
+        }
+    });
+    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
+}

@@ -1,0 +1,108 @@
+//! `…/members/{member}/webhook`: a member served by a webhook URL.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+
+use super::extract::{Json, Path};
+use crate::app::AppState;
+use crate::delivery::webhook::{registration_key, Registration, WebhookSpec, WebhookView};
+use crate::error::{ApiError, Problem};
+use crate::names::{GroupName, MemberName, StreamName};
+
+fn view(
+    stream: &StreamName,
+    group: &GroupName,
+    member: &MemberName,
+    r: Registration,
+    secret: Option<String>,
+) -> WebhookView {
+    WebhookView {
+        stream: stream.to_string(),
+        group: group.to_string(),
+        member: member.to_string(),
+        url: r.url,
+        timeout_ms: r.timeout_ms,
+        max_attempts: r.max_attempts,
+        backoff: r.backoff,
+        secret,
+    }
+}
+
+/// Registers (201) or replaces (200) the webhook serving a member. Every
+/// keygate replica serves it; the member's pin picks the active one. The
+/// generated signing secret is in this answer only.
+#[utoipa::path(
+    put,
+    path = "/v1/streams/{stream}/groups/{group}/members/{member}/webhook",
+    tag = "webhooks",
+    params(("stream" = String, Path), ("group" = String, Path), ("member" = String, Path)),
+    request_body = WebhookSpec,
+    responses(
+        (status = 201, description = "registered", body = WebhookView),
+        (status = 200, description = "replaced", body = WebhookView),
+        (status = 400, description = "invalid", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "unknown group or member", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "destination not allowed", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn put_webhook(
+    State(state): State<AppState>,
+    Path((stream, group, member)): Path<(StreamName, GroupName, MemberName)>,
+    Json(spec): Json<WebhookSpec>,
+) -> Result<(StatusCode, Json<WebhookView>), ApiError> {
+    let stored = state.groups.load(&stream, &group, None).await?;
+    if !stored.config.has_member(member.as_str()) {
+        return Err(ApiError::NotFound(format!("member {member} is not in group {group}")));
+    }
+    let key = registration_key(stream.as_str(), group.as_str(), member.as_str());
+    let (created, registration, secret) = state.webhooks.put(&key, spec).await?;
+    let status = if created { StatusCode::CREATED } else { StatusCode::OK };
+    Ok((status, Json(view(&stream, &group, &member, registration, secret))))
+}
+
+/// The webhook serving a member (without its secret).
+#[utoipa::path(
+    get,
+    path = "/v1/streams/{stream}/groups/{group}/members/{member}/webhook",
+    tag = "webhooks",
+    params(("stream" = String, Path), ("group" = String, Path), ("member" = String, Path)),
+    responses(
+        (status = 200, description = "the registration", body = WebhookView),
+        (status = 404, description = "no webhook registered", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn get_webhook(
+    State(state): State<AppState>,
+    Path((stream, group, member)): Path<(StreamName, GroupName, MemberName)>,
+) -> Result<Json<WebhookView>, ApiError> {
+    let key = registration_key(stream.as_str(), group.as_str(), member.as_str());
+    let registration = state
+        .webhooks
+        .get(&key)
+        .await?
+        .ok_or_else(|| ApiError::NotFound(format!("no webhook is registered for member {member}")))?;
+    Ok(Json(view(&stream, &group, &member, registration, None)))
+}
+
+/// Stops serving a member through its webhook (every replica stops).
+#[utoipa::path(
+    delete,
+    path = "/v1/streams/{stream}/groups/{group}/members/{member}/webhook",
+    tag = "webhooks",
+    params(("stream" = String, Path), ("group" = String, Path), ("member" = String, Path)),
+    responses(
+        (status = 204, description = "removed"),
+        (status = 404, description = "no webhook registered", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn delete_webhook(
+    State(state): State<AppState>,
+    Path((stream, group, member)): Path<(StreamName, GroupName, MemberName)>,
+) -> Result<StatusCode, ApiError> {
+    let key = registration_key(stream.as_str(), group.as_str(), member.as_str());
+    if state.webhooks.delete(&key).await? {
+        Ok(StatusCode::NO_CONTENT)
+    } else {
+        Err(ApiError::NotFound(format!("no webhook is registered for member {member}")))
+    }
+}

@@ -1,0 +1,45 @@
+//! Fencing tokens: a counter per member in KV, raised by compare-and-set
+//! whenever an instance gains the member's pin, so it grows across
+//! instances and restarts.
+
+use async_nats::jetstream::{self, kv};
+use bytes::Bytes;
+
+/// KV bucket of fencing counters, key `<stream>.<group>.<member>`.
+pub const FENCING_BUCKET: &str = "keygate-fencing";
+
+/// Raises the member's fencing token and returns the new value.
+pub async fn next_token(js: &jetstream::Context, key: &str) -> anyhow::Result<u64> {
+    let store = match js.get_key_value(FENCING_BUCKET).await {
+        Ok(s) => s,
+        Err(_) => match js
+            .create_key_value(kv::Config { bucket: FENCING_BUCKET.into(), history: 1, ..Default::default() })
+            .await
+        {
+            Ok(s) => s,
+            Err(_) => js.get_key_value(FENCING_BUCKET).await?,
+        },
+    };
+    for _ in 0..64 {
+        let current = store.entry(key).await?;
+        let (value, revision) = match &current {
+            Some(e) if e.operation == kv::Operation::Put => (
+                std::str::from_utf8(&e.value).ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(0),
+                Some(e.revision),
+            ),
+            Some(e) => (0, Some(e.revision)),
+            None => (0, None),
+        };
+        let next = value + 1;
+        let bytes = Bytes::from(next.to_string());
+        let written = match revision {
+            Some(r) => store.update(key, bytes, r).await.is_ok(),
+            None => store.create(key, bytes).await.is_ok(),
+        };
+        if written {
+            return Ok(next);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(rand::random_range(1..10))).await;
+    }
+    anyhow::bail!("the fencing counter kept changing")
+}

@@ -1,0 +1,10 @@
+//! The member runtime: a member's consumer joined as pcgroups joins it,
+//! pinned pulls, partition lanes that keep per-key order, and the
+//! supervisor that runs an instance for every registered webhook.
+
+pub mod consumer;
+pub mod fencing;
+pub mod instance;
+pub mod lanes;
+pub mod pull;
+pub mod supervisor;
