@@ -80,7 +80,11 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
         webhooks: WebhookClient::new(Arc::new(state.settings.destinations.clone()))?,
         webhook_store: state.webhooks.clone(),
         groups: state.groups.clone(),
-        instance_id: format!("keygate-{}", nats.new_inbox().rsplit('.').next().unwrap_or("0")),
+        instance_id: state
+            .settings
+            .instance_id
+            .clone()
+            .unwrap_or_else(|| format!("keygate-{}", nats.new_inbox().rsplit('.').next().unwrap_or("0"))),
         hold_cap: state.settings.hold_cap,
         shutdown_grace: state.settings.delivery_grace,
     });

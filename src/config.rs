@@ -45,6 +45,8 @@ pub struct Settings {
     pub hold_cap: usize,
     /// How long shutdown waits for webhook deliveries in flight.
     pub delivery_grace: Duration,
+    /// Names this process in events and group views (default: random).
+    pub instance_id: Option<String>,
 }
 
 impl Settings {
@@ -59,6 +61,7 @@ impl Settings {
             destinations: Default::default(),
             hold_cap: 256,
             delivery_grace: Duration::from_secs(10),
+            instance_id: None,
         }
     }
 }

@@ -99,6 +99,9 @@ struct ServeArgs {
     /// Messages held behind one blocked partition's head before intake slows.
     #[arg(long, env = "KEYGATE_HOLD_CAP", default_value_t = 256)]
     hold_cap: usize,
+    /// Name of this keygate in events and group views (e.g. the pod name; default: random).
+    #[arg(long, env = "KEYGATE_INSTANCE_ID")]
+    instance_id: Option<String>,
     /// Log format.
     #[arg(long, env = "KEYGATE_LOG_FORMAT", value_enum, default_value = "pretty")]
     log_format: LogFormat,
@@ -135,6 +138,7 @@ impl ServeArgs {
             },
             hold_cap: self.hold_cap.max(1),
             delivery_grace: Duration::from_secs(10),
+            instance_id: self.instance_id.clone(),
         }
     }
 }

@@ -59,7 +59,7 @@ pub async fn record(js: &jetstream::Context, letter: DeadLetter<'_>) -> anyhow::
 }
 
 async fn ensure_stream(js: &jetstream::Context) -> anyhow::Result<()> {
-    if js.get_stream_no_info(DEAD_LETTER_STREAM).await.is_ok() {
+    if js.get_stream(DEAD_LETTER_STREAM).await.is_ok() {
         return Ok(());
     }
     let config = stream::Config {
@@ -70,6 +70,6 @@ async fn ensure_stream(js: &jetstream::Context) -> anyhow::Result<()> {
     };
     match js.create_stream(config).await {
         Ok(_) => Ok(()),
-        Err(e) => js.get_stream_no_info(DEAD_LETTER_STREAM).await.map(|_| ()).map_err(|_| e.into()),
+        Err(e) => js.get_stream(DEAD_LETTER_STREAM).await.map(|_| ()).map_err(|_| e.into()),
     }
 }

@@ -286,7 +286,7 @@ impl GroupAdmin {
         source: &stream::Info,
     ) -> Result<bool, ApiError> {
         let name = elastic_stream_name(stream, group);
-        let existed = self.js.get_stream_no_info(&name).await.is_ok();
+        let existed = self.js.get_stream(&name).await.is_ok();
         let filters = config.partitioning_filters.clone().unwrap_or_default();
         let transforms: Vec<stream::SubjectTransform> = if filters.is_empty() {
             let all = SubjectPattern::parse(">").expect("> is a valid filter");

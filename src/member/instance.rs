@@ -373,6 +373,7 @@ struct Session {
     pin: Option<String>,
     fencing: u64,
     standby: bool,
+    last_message: Instant,
     blocked_reported: BTreeSet<u32>,
     inbox: String,
     pulls: u64,
@@ -410,6 +411,7 @@ impl Session {
             pin: None,
             fencing: 0,
             standby: false,
+            last_message: Instant::now(),
             blocked_reported: BTreeSet::new(),
             inbox,
             pulls: 0,
@@ -431,7 +433,7 @@ impl Session {
         };
         let key = config_key(self.who.stream.as_str(), self.who.group.as_str());
         let mut watch = match self.ctx.js.get_key_value(bucket).await {
-            Ok(store) => store.watch(&key).await.ok(),
+            Ok(store) => store.watch_with_history(&key).await.ok(),
             Err(_) => None,
         };
         let progress_every = (self.ack_wait / 3).max(Duration::from_millis(100));
@@ -598,6 +600,7 @@ impl Session {
     }
 
     fn take(&mut self, reply: async_nats::Message) {
+        self.last_message = Instant::now();
         let message = jetstream::Message { message: reply, context: self.ctx.js.clone() };
         let Ok(info) = message.info() else { return };
         let (stream_seq, attempt) = (info.stream_sequence, info.delivered.max(1) as u64);
@@ -690,7 +693,10 @@ impl Session {
         }
         let pinned_elsewhere =
             info.priority_groups.iter().any(|g| g.pinned_client_id.as_deref().is_some_and(|id| !id.is_empty()));
-        if pinned_elsewhere && !self.standby {
+        // A pin seen right after a message reached us may be ours, not yet
+        // read from the message: only a quiet instance calls itself standby.
+        let quiet = self.last_message.elapsed() > Duration::from_secs(1);
+        if pinned_elsewhere && quiet && !self.standby {
             self.standby = true;
             self.ctx.events.emit(self.who.event(&self.ctx, EventType::MemberStandby));
         }

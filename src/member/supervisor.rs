@@ -45,7 +45,8 @@ pub async fn supervise(ctx: Arc<InstanceContext>, shutdown: CancellationToken) {
                 }
             }
         };
-        let mut watch = match store.watch_all().await {
+        tracing::debug!("watching webhook registrations");
+        let mut watch = match store.watch_with_history(">").await {
             Ok(w) => w,
             Err(e) => {
                 tracing::warn!(error = %e, "watching webhook registrations");
@@ -60,6 +61,7 @@ pub async fn supervise(ctx: Arc<InstanceContext>, shutdown: CancellationToken) {
                 entry = watch.next() => entry,
                 () = shutdown.cancelled() => break 'watching,
             };
+            tracing::debug!(?entry, "registration update");
             let Some(Ok(entry)) = entry else {
                 // The watch ended (NATS reconnect): watch again from the start.
                 continue 'watching;

@@ -54,7 +54,7 @@ async fn nats_going_away_is_503_and_readyz_says_not_ready() {
     app.create_stream("S", json!({"subjects":["s.*"],"partitions":2})).await;
     let (status, _) = app.get("/readyz").await;
     assert_eq!(status, 200);
-    drop(std::mem::replace(&mut app.nats_server, crate::support::NatsServer::start()));
+    drop(app.nats_server.take());
     let (status, body) = crate::support::eventually(std::time::Duration::from_secs(10), || async {
         let r = app.get("/readyz").await;
         (r.0 == 503).then_some(r)

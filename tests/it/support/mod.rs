@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod receiver;
+
 use std::net::TcpListener as StdListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -96,7 +98,8 @@ impl Drop for NatsServer {
 
 /// keygate running in-process against its own nats-server.
 pub struct TestApp {
-    pub nats_server: NatsServer,
+    pub nats_server: Option<NatsServer>,
+    pub nats_url: String,
     pub base: String,
     pub http: reqwest::Client,
     pub nats: async_nats::Client,
@@ -112,15 +115,29 @@ impl TestApp {
 
     pub async fn start_with(adjust: impl FnOnce(&mut Settings)) -> Self {
         let nats_server = NatsServer::start();
-        let mut settings = Settings::for_nats_url(nats_server.url());
+        let url = nats_server.url();
+        Self::start_inner(Some(nats_server), url, adjust).await
+    }
+
+    /// Another keygate on an existing server.
+    pub async fn start_on(url: String) -> Self {
+        Self::start_inner(None, url, |_| {}).await
+    }
+
+    async fn start_inner(nats_server: Option<NatsServer>, url: String, adjust: impl FnOnce(&mut Settings)) -> Self {
+        // KEYGATE_TEST_LOG=keygate=debug shows keygate's logs for a failing test.
+        if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_env("KEYGATE_TEST_LOG") {
+            let _ = tracing_subscriber::fmt().with_env_filter(filter).with_test_writer().try_init();
+        }
+        let mut settings = Settings::for_nats_url(url.clone());
         adjust(&mut settings);
         let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(keygate::run(settings, listener, shutdown.clone()));
-        let nats = async_nats::connect(nats_server.url()).await.unwrap();
+        let nats = async_nats::connect(url.clone()).await.unwrap();
         let js = async_nats::jetstream::new(nats.clone());
-        let app = Self { nats_server, base, http: http_client(), nats, js, shutdown, task: Some(task) };
+        let app = Self { nats_server, nats_url: url, base, http: http_client(), nats, js, shutdown, task: Some(task) };
         app.wait_ready().await;
         app
     }

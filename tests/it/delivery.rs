@@ -1,0 +1,401 @@
+//! Webhook delivery against a real nats-server and a scripted receiver.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+use serde_json::{json, Value};
+
+use crate::support::receiver::{assert_key_order, Answer, Receiver, Recorded};
+use crate::support::{eventually, TestApp};
+use keygate::partition::{encode_key, partition_of_tokens};
+
+const PARTITIONS: u32 = 4;
+
+/// A stamped stream, a static group of one member `m1`, and its webhook.
+async fn setup(app: &TestApp, receiver: &Receiver, webhook: Value) -> String {
+    app.create_stream("ORDERS", json!({"subjects":["orders.*"],"partitions":PARTITIONS})).await;
+    let (status, _) = app
+        .put(
+            "/v1/streams/ORDERS/groups/g",
+            json!({"kind":"static","partitions":PARTITIONS,"members":["m1"],"ack_wait_ms":2000}),
+        )
+        .await;
+    assert_eq!(status, 201);
+    let mut body = webhook;
+    body["url"] = json!(receiver.url("/hook"));
+    let (status, registered) = app.put("/v1/streams/ORDERS/groups/g/members/m1/webhook", body).await;
+    assert_eq!(status, 201, "{registered}");
+    registered["secret"].as_str().unwrap_or_default().to_owned()
+}
+
+/// Publishes `(key, n)` messages; returns key → stream sequences.
+async fn publish(app: &TestApp, messages: &[(String, u64)]) -> HashMap<String, Vec<u64>> {
+    let body: Vec<Value> = messages
+        .iter()
+        .map(|(k, n)| json!({"key": k, "data": {"n": n}, "headers": {"X-Trace": format!("t{n}")}}))
+        .collect();
+    let (status, acks) = app.post("/v1/streams/ORDERS/messages/batch", json!({"messages": body})).await;
+    assert_eq!(status, 200);
+    let mut published: HashMap<String, Vec<u64>> = HashMap::new();
+    for ack in acks["results"].as_array().unwrap() {
+        published.entry(ack["key"].as_str().unwrap().to_owned()).or_default().push(ack["seq"].as_u64().unwrap());
+    }
+    published
+}
+
+/// Waits until every published sequence was answered 2xx (or is in `except`).
+async fn all_acked(
+    receiver: &Receiver,
+    published: &HashMap<String, Vec<u64>>,
+    except: &[u64],
+    limit: Duration,
+) -> Vec<Recorded> {
+    eventually(limit, || async {
+        let requests = receiver.requests();
+        let acked: std::collections::HashSet<u64> = requests.iter().filter(|r| r.ok()).map(Recorded::seq).collect();
+        published.values().flatten().filter(|s| !except.contains(s)).all(|s| acked.contains(s)).then_some(requests)
+    })
+    .await
+}
+
+fn partition_of(key: &str) -> u32 {
+    partition_of_tokens([encode_key(key).unwrap().as_str()], PARTITIONS)
+}
+
+/// Keys that land on `partition`.
+fn keys_on(partition: u32, count: usize) -> Vec<String> {
+    (0..).map(|i| format!("key-{i}")).filter(|k| partition_of(k) == partition).take(count).collect()
+}
+
+#[tokio::test]
+async fn webhooks_receive_signed_messages_in_key_order_with_keygate_headers() {
+    let app = TestApp::start().await;
+    let receiver = Receiver::start(|_, _| Answer::ok()).await;
+    let secret = setup(&app, &receiver, json!({})).await;
+    assert!(secret.starts_with("whsec_"));
+    let messages: Vec<(String, u64)> = (0..200).map(|n| (format!("customer {}", n % 20), n)).collect();
+    let published = publish(&app, &messages).await;
+    let requests = all_acked(&receiver, &published, &[], Duration::from_secs(30)).await;
+    assert_key_order(&requests, &published, &[]);
+
+    let first = requests.iter().find(|r| r.key() == "customer%200").unwrap();
+    assert_eq!(first.path, "/hook");
+    assert_eq!(first.header("keygate-stream"), Some("ORDERS"));
+    assert_eq!(first.header("keygate-group"), Some("g"));
+    assert_eq!(first.header("keygate-member"), Some("m1"));
+    // Headers are percent-encoded: decoded, this is the stored subject `orders.customer%200`.
+    assert_eq!(first.header("keygate-subject"), Some("orders.customer%25200"));
+    assert_eq!(first.header("keygate-partition").unwrap(), partition_of("customer 0").to_string());
+    assert_eq!(first.header("keygate-attempt"), Some("1"));
+    assert!(first.fencing() >= 1);
+    assert_eq!(first.header("content-type"), Some("application/json"));
+    assert_eq!(first.header("x-trace"), Some("t0"));
+    assert_eq!(first.header("webhook-id").unwrap(), format!("ORDERS-{}", first.seq()));
+    assert_eq!(first.body, br#"{"n":0}"#);
+    assert!(first.header("nats-msg-id").is_none() && first.header("nats-expected-stream").is_none());
+
+    // An independent implementation checks the signatures: the Standard
+    // Webhooks reference library for Python.
+    let sample: Vec<Value> = requests
+        .iter()
+        .take(5)
+        .map(|r| {
+            json!({
+                "headers": {
+                    "webhook-id": r.header("webhook-id"),
+                    "webhook-timestamp": r.header("webhook-timestamp"),
+                    "webhook-signature": r.header("webhook-signature"),
+                },
+                "body": base64::engine::general_purpose::STANDARD.encode(&r.body),
+            })
+        })
+        .collect();
+    verify_with_standardwebhooks(&secret, &sample, true);
+    let mut tampered = sample[0].clone();
+    tampered["body"] = json!(base64::engine::general_purpose::STANDARD.encode(b"{\"n\":999}"));
+    verify_with_standardwebhooks(&secret, &[tampered], false);
+}
+
+fn verify_with_standardwebhooks(secret: &str, requests: &[Value], expect_valid: bool) {
+    let script = r#"
+import base64, json, sys
+from standardwebhooks.webhooks import Webhook
+secret, requests = sys.argv[1], json.loads(sys.stdin.read())
+hook = Webhook(secret)
+for r in requests:
+    hook.verify(base64.b64decode(r["body"]), r["headers"])
+"#;
+    let mut child = std::process::Command::new("python3")
+        .args(["-c", script, secret])
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3 runs");
+    use std::io::Write as _;
+    child.stdin.take().unwrap().write_all(serde_json::to_string(requests).unwrap().as_bytes()).unwrap();
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!stderr.contains("ModuleNotFoundError"), "install it: pip install standardwebhooks");
+    assert_eq!(output.status.success(), expect_valid, "{stderr}");
+}
+
+#[tokio::test]
+async fn a_retried_message_is_never_overtaken_by_later_ones_of_its_key() {
+    let app = TestApp::start().await;
+    let slow_partition = 0;
+    let keys = keys_on(slow_partition, 4);
+    let other = keys_on(1, 1).remove(0);
+    let (retry_after, server_error, nak_header, timeout) =
+        (keys[0].clone(), keys[1].clone(), keys[2].clone(), keys[3].clone());
+    let script = {
+        let (retry_after, server_error, nak_header, timeout) =
+            (retry_after.clone(), server_error.clone(), nak_header.clone(), timeout.clone());
+        move |r: &Recorded, earlier: usize| {
+            // The first message of each of these keys fails at first.
+            let first = r.header("x-first") == Some("yes");
+            let key = r.header("keygate-key").unwrap_or_default();
+            match (first, earlier) {
+                (true, 0 | 1) if key == retry_after => Answer::status(503).header("Retry-After", "1"),
+                (true, 0 | 1) if key == server_error => Answer::status(500),
+                (true, 0) if key == nak_header => Answer::ok().header("keygate-ack", "nak; delay=300ms"),
+                (true, 0) if key == timeout => Answer::ok().after(Duration::from_millis(1500)),
+                _ => Answer::ok(),
+            }
+        }
+    };
+    let receiver = Receiver::start(script).await;
+    setup(&app, &receiver, json!({"timeout_ms": 500, "backoff": {"initial_ms": 200, "max_ms": 1000}})).await;
+    let mut body = Vec::new();
+    for n in 0..8u64 {
+        for key in keys.iter().chain([&other]) {
+            body.push(json!({"key": key, "data": {"n": n}, "headers": {"X-First": if n == 0 { "yes" } else { "no" }}}));
+        }
+    }
+    let (_, acks) = app.post("/v1/streams/ORDERS/messages/batch", json!({"messages": body})).await;
+    let mut published: HashMap<String, Vec<u64>> = HashMap::new();
+    for ack in acks["results"].as_array().unwrap() {
+        published.entry(ack["key"].as_str().unwrap().to_owned()).or_default().push(ack["seq"].as_u64().unwrap());
+    }
+    all_acked(&receiver, &published, &[], Duration::from_secs(30)).await;
+    // The timed-out first attempt is recorded when its late answer is sent.
+    let timed_out_seq = published[&timeout][0];
+    let requests = eventually(Duration::from_secs(5), || async {
+        let requests = receiver.requests();
+        (requests.iter().filter(|r| r.seq() == timed_out_seq).count() >= 2).then_some(requests)
+    })
+    .await;
+    assert_key_order(&requests, &published, &[]);
+
+    let attempts = |key: &str| -> Vec<&Recorded> {
+        let first_seq = published[key][0];
+        requests.iter().filter(|r| r.seq() == first_seq).collect()
+    };
+    let retried = attempts(&retry_after);
+    assert_eq!(retried.iter().map(|r| r.attempt()).collect::<Vec<_>>(), vec![1, 2, 3], "the server's delivery count");
+    assert!(retried[1].at - retried[0].at >= Duration::from_millis(900), "Retry-After: 1 was honoured");
+    assert_eq!(attempts(&server_error).len(), 3);
+    let naked = attempts(&nak_header);
+    assert!(naked[1].at - naked[0].at >= Duration::from_millis(250), "keygate-ack nak delay was honoured");
+    assert!(attempts(&timeout).len() >= 2, "a timeout is retried");
+
+    // Guarantee 3: the other partition did not wait for the retries.
+    let other_done = requests.iter().filter(|r| r.key() == other && r.ok()).map(|r| r.at).max().unwrap();
+    let blocked_done = retried.last().unwrap().at;
+    assert!(other_done < blocked_done, "partition 1 finished while partition 0 was retrying");
+}
+
+#[tokio::test]
+async fn messages_are_dead_lettered_after_max_attempts_and_the_partition_proceeds() {
+    let app = TestApp::start().await;
+    let receiver =
+        Receiver::start(|r, _| if r.header("x-poison") == Some("yes") { Answer::status(500) } else { Answer::ok() })
+            .await;
+    setup(&app, &receiver, json!({"max_attempts": 3, "backoff": {"initial_ms": 50, "max_ms": 100}})).await;
+    let body: Vec<Value> = (0..5)
+        .map(|n| json!({"key":"poisoned","data":{"n":n},"headers":{"X-Poison": if n == 1 { "yes" } else { "no" }}}))
+        .collect();
+    let (_, acks) = app.post("/v1/streams/ORDERS/messages/batch", json!({"messages": body})).await;
+    let seqs: Vec<u64> = acks["results"].as_array().unwrap().iter().map(|a| a["seq"].as_u64().unwrap()).collect();
+    let published = HashMap::from([("poisoned".to_owned(), seqs.clone())]);
+    let requests = all_acked(&receiver, &published, &[seqs[1]], Duration::from_secs(30)).await;
+    assert_key_order(&requests, &published, &[seqs[1]]);
+    assert_eq!(requests.iter().filter(|r| r.seq() == seqs[1]).count(), 3);
+
+    let letters = eventually(Duration::from_secs(5), || async {
+        let letters = app.stream_messages("KEYGATE_DEAD_LETTERS").await;
+        (!letters.is_empty()).then_some(letters)
+    })
+    .await;
+    assert_eq!(letters.len(), 1);
+    let (subject, payload, headers) = &letters[0];
+    assert_eq!(subject, "keygate.dlq.ORDERS.g.m1");
+    assert_eq!(payload, br#"{"n":1}"#);
+    let headers = headers.as_ref().unwrap();
+    assert_eq!(headers.get("X-Poison").unwrap().as_str(), "yes");
+    assert_eq!(headers.get("keygate-stream-seq").unwrap().as_str(), seqs[1].to_string());
+    assert_eq!(headers.get("keygate-key").unwrap().as_str(), "poisoned");
+    assert_eq!(headers.get("keygate-attempts").unwrap().as_str(), "3");
+    assert!(headers.get("keygate-reason").unwrap().as_str().contains("gave up after 3 attempts"));
+}
+
+#[tokio::test]
+async fn a_refusing_endpoint_terminates_and_410_stops_serving_the_member() {
+    let app = TestApp::start().await;
+    let receiver = Receiver::start(|r, _| match r.header("x-answer") {
+        Some("422") => Answer::status(422),
+        Some("410") => Answer::status(410),
+        _ => Answer::ok(),
+    })
+    .await;
+    setup(&app, &receiver, json!({})).await;
+    let (_, first) = app.post("/v1/streams/ORDERS/messages", json!({"key":"a","headers":{"X-Answer":"422"}})).await;
+    let (_, second) = app.post("/v1/streams/ORDERS/messages", json!({"key":"a"})).await;
+    let published =
+        HashMap::from([("a".to_owned(), vec![first["seq"].as_u64().unwrap(), second["seq"].as_u64().unwrap()])]);
+    let requests = all_acked(&receiver, &published, &[first["seq"].as_u64().unwrap()], Duration::from_secs(20)).await;
+    assert_eq!(requests.iter().filter(|r| r.status == 422).count(), 1, "a 4xx is not retried");
+    eventually(Duration::from_secs(5), || async {
+        (app.stream_messages("KEYGATE_DEAD_LETTERS").await.len() == 1).then_some(())
+    })
+    .await;
+
+    app.post("/v1/streams/ORDERS/messages", json!({"key":"b","headers":{"X-Answer":"410"}})).await;
+    eventually(Duration::from_secs(10), || async {
+        let (status, _) = app.get("/v1/streams/ORDERS/groups/g/members/m1/webhook").await;
+        (status == 404).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_blocked_partition_is_visible_and_can_be_skipped_or_retried_now() {
+    let app = TestApp::start().await;
+    let keys = keys_on(2, 2);
+    let receiver = Receiver::start(|r, earlier| {
+        if r.header("x-stuck") == Some("yes") && earlier == 0 {
+            Answer::status(503).header("Retry-After", "30")
+        } else if r.header("x-stuck") == Some("forever") {
+            Answer::status(503).header("Retry-After", "30")
+        } else {
+            Answer::ok()
+        }
+    })
+    .await;
+    setup(&app, &receiver, json!({})).await;
+    let (_, stuck) =
+        app.post("/v1/streams/ORDERS/messages", json!({"key": keys[0], "headers": {"X-Stuck": "forever"}})).await;
+    let (_, after) = app.post("/v1/streams/ORDERS/messages", json!({"key": keys[0]})).await;
+    let view = eventually(Duration::from_secs(10), || async {
+        let (_, view) = app.get("/v1/streams/ORDERS/groups/g").await;
+        (view["blocked"].as_array()?.len() == 1).then_some(view)
+    })
+    .await;
+    let blocked = &view["blocked"][0];
+    assert_eq!(blocked["partition"], 2);
+    assert_eq!(blocked["member"], "m1");
+    assert_eq!(blocked["seq"], stuck["seq"]);
+    assert_eq!(blocked["attempts"], 1);
+    assert!(blocked["last_error"].as_str().unwrap().contains("503"));
+    assert!(blocked["since"].is_string());
+    assert!(!receiver.requests().iter().any(|r| r.seq() == after["seq"].as_u64().unwrap()), "the later message waits");
+
+    let (status, _) = app.post("/v1/streams/ORDERS/groups/g/partitions/3/skip", json!({})).await;
+    assert_eq!(status, 409, "partition 3 is not blocked");
+    let (status, _) = app.post("/v1/streams/ORDERS/groups/g/partitions/9/skip", json!({})).await;
+    assert_eq!(status, 404);
+    let (status, op) = app.post("/v1/streams/ORDERS/groups/g/partitions/2/skip", json!({})).await;
+    assert_eq!(status, 200, "{op}");
+    eventually(Duration::from_secs(10), || async {
+        receiver.requests().iter().any(|r| r.seq() == after["seq"].as_u64().unwrap() && r.ok()).then_some(())
+    })
+    .await;
+    let letters = app.stream_messages("KEYGATE_DEAD_LETTERS").await;
+    assert!(letters[0].2.as_ref().unwrap().get("keygate-reason").unwrap().as_str().contains("skipped"));
+
+    // retry-now: the head is redelivered at once instead of in 30 s.
+    let (_, again) =
+        app.post("/v1/streams/ORDERS/messages", json!({"key": keys[1], "headers": {"X-Stuck": "yes"}})).await;
+    eventually(Duration::from_secs(10), || async {
+        let (_, view) = app.get("/v1/streams/ORDERS/groups/g").await;
+        (view["blocked"].as_array()?.len() == 1).then_some(())
+    })
+    .await;
+    let asked = Instant::now();
+    let (status, _) = app.post("/v1/streams/ORDERS/groups/g/partitions/2/retry-now", json!({})).await;
+    assert_eq!(status, 200);
+    eventually(Duration::from_secs(5), || async {
+        receiver.requests().iter().any(|r| r.seq() == again["seq"].as_u64().unwrap() && r.ok()).then_some(())
+    })
+    .await;
+    assert!(asked.elapsed() < Duration::from_secs(5));
+}
+
+#[tokio::test]
+async fn webhook_registrations_are_validated_and_destinations_restricted() {
+    let app = TestApp::start().await;
+    let receiver = Receiver::start(|_, _| Answer::ok()).await;
+    setup(&app, &receiver, json!({})).await;
+    let path = "/v1/streams/ORDERS/groups/g/members/m1/webhook";
+    for url in
+        ["http://169.254.169.254/latest/meta-data", "http://10.1.2.3/hook", "http://8.8.8.8/hook", "http://[fd00::1]/x"]
+    {
+        let (status, problem) = app.put(path, json!({"url": url})).await;
+        assert_eq!(status, 422, "{url}: {problem}");
+        assert!(problem["detail"].as_str().unwrap().contains("not allowed"), "{problem}");
+    }
+    for bad in [
+        json!({"url":"ftp://127.0.0.1/"}),
+        json!({"url":"not a url"}),
+        json!({"url": receiver.url("/h"), "secret":"plain"}),
+    ] {
+        let (status, _) = app.put(path, bad.clone()).await;
+        assert!(status == 400 || status == 422, "{bad}");
+    }
+    let (status, _) =
+        app.put("/v1/streams/ORDERS/groups/g/members/nobody/webhook", json!({"url": receiver.url("/h")})).await;
+    assert_eq!(status, 404);
+    let (_, current) = app.get(path).await;
+    assert_eq!(current["url"], receiver.url("/hook"));
+    assert!(current.get("secret").is_none(), "the secret is shown once");
+
+    let given = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+    let (status, replaced) = app.put(path, json!({"url": receiver.url("/other"), "secret": given})).await;
+    assert_eq!(status, 200);
+    assert!(replaced.get("secret").is_none(), "a given secret is not echoed");
+    let (status, _) = app.delete(path).await;
+    assert_eq!(status, 204);
+    let (status, _) = app.get(path).await;
+    assert_eq!(status, 404);
+}
+
+#[tokio::test]
+async fn events_stream_pins_and_verdicts_over_sse() {
+    use futures::StreamExt;
+    let app = TestApp::start().await;
+    let receiver = Receiver::start(|_, _| Answer::ok()).await;
+    let response =
+        app.http.get(app.url("/v1/events?stream=ORDERS&types=member.pinned,message.acked")).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["content-type"], "text/event-stream");
+    let mut body = response.bytes_stream();
+    setup(&app, &receiver, json!({})).await;
+    app.post("/v1/streams/ORDERS/messages", json!({"key":"a"})).await;
+    let mut text = String::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !(text.contains("event: member.pinned") && text.contains("event: message.acked")) {
+        let chunk =
+            tokio::time::timeout_at(deadline.into(), body.next()).await.expect("events arrive").unwrap().unwrap();
+        text.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    assert!(!text.contains("event: assignment.changed"), "filtered by type");
+    assert!(text.contains("\"fencing_token\":"));
+
+    // The same events are on NATS subjects.
+    let mut sub = app.nats.subscribe("keygate.events.ORDERS.g.m1.message.acked").await.unwrap();
+    app.post("/v1/streams/ORDERS/messages", json!({"key":"b"})).await;
+    let event = tokio::time::timeout(Duration::from_secs(10), sub.next()).await.unwrap().unwrap();
+    let event: Value = serde_json::from_slice(&event.payload).unwrap();
+    assert_eq!(event["type"], "message.acked");
+    assert_eq!(event["member"], "m1");
+}
