@@ -273,9 +273,12 @@ async fn a_blocked_partition_is_visible_and_can_be_skipped_or_retried_now() {
     let app = TestApp::start().await;
     let keys = keys_on(2, 2);
     let receiver = Receiver::start(|r, earlier| {
-        if r.header("x-stuck") == Some("yes") && earlier == 0 {
-            Answer::status(503).header("Retry-After", "30")
-        } else if r.header("x-stuck") == Some("forever") {
+        let stuck = match r.header("x-stuck") {
+            Some("forever") => true,
+            Some("yes") => earlier == 0,
+            _ => false,
+        };
+        if stuck {
             Answer::status(503).header("Retry-After", "30")
         } else {
             Answer::ok()
