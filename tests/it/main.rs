@@ -2,6 +2,7 @@
 
 mod delivery;
 mod errors;
+mod failover;
 mod groups;
 mod openapi;
 mod publish;

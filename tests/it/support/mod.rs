@@ -244,3 +244,52 @@ where
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
 }
+
+/// keygate as its own process (to be killed with SIGKILL).
+pub struct KeygateProcess {
+    child: Child,
+    pub base: String,
+}
+
+impl KeygateProcess {
+    pub fn start(nats_url: &str, instance_id: &str) -> Self {
+        let port = free_port();
+        let child = Command::new(env!("CARGO_BIN_EXE_keygate"))
+            .args([
+                "serve",
+                "--nats-url",
+                nats_url,
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--instance-id",
+                instance_id,
+            ])
+            .env("KEYGATE_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting keygate");
+        Self { child, base: format!("http://127.0.0.1:{port}") }
+    }
+
+    pub async fn wait_ready(&self, http: &reqwest::Client) {
+        let url = format!("{}/readyz", self.base);
+        eventually(Duration::from_secs(20), || async {
+            let r = http.get(&url).send().await.ok()?;
+            (r.status() == 200).then_some(())
+        })
+        .await;
+    }
+
+    /// SIGKILL: no shutdown, no acks, no unpin.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for KeygateProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

@@ -1,0 +1,137 @@
+//! Hot standby through the pin, and elastic rebalances, with messages in flight.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::support::receiver::{assert_key_order, Answer, Receiver, Recorded};
+use crate::support::{eventually, http_client, KeygateProcess, NatsServer, TestApp};
+
+async fn publish_batch(app: &TestApp, stream: &str, from: u64, count: u64, keys: u64) -> Vec<(String, u64)> {
+    let messages: Vec<Value> =
+        (from..from + count).map(|n| json!({"key": format!("k{}", n % keys), "data": {"n": n}})).collect();
+    let (status, acks) = app.post(&format!("/v1/streams/{stream}/messages/batch"), json!({"messages": messages})).await;
+    assert_eq!(status, 200);
+    acks["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| (a["key"].as_str().unwrap().to_owned(), a["seq"].as_u64().unwrap()))
+        .collect()
+}
+
+fn by_key(published: &[(String, u64)]) -> HashMap<String, Vec<u64>> {
+    let mut map: HashMap<String, Vec<u64>> = HashMap::new();
+    for (k, s) in published {
+        map.entry(k.clone()).or_default().push(*s);
+    }
+    map
+}
+
+async fn wait_all_acked(receiver: &Receiver, published: &[(String, u64)], limit: Duration) -> Vec<Recorded> {
+    eventually(limit, || async {
+        let requests = receiver.requests();
+        let acked: std::collections::HashSet<u64> = requests.iter().filter(|r| r.ok()).map(Recorded::seq).collect();
+        published.iter().all(|(_, s)| acked.contains(s)).then_some(requests)
+    })
+    .await
+}
+
+#[tokio::test]
+async fn the_standby_takes_over_in_order_when_the_pinned_keygate_is_killed() {
+    let server = NatsServer::start();
+    let http = http_client();
+    let mut first = KeygateProcess::start(&server.url(), "keygate-a");
+    first.wait_ready(&http).await;
+    // The receiver takes a while per message, so deliveries are in flight at the kill.
+    let receiver = Receiver::start(|_, _| Answer::ok().after(Duration::from_millis(15))).await;
+    let admin = TestApp::start_on(server.url()).await;
+    // Configure through the first keygate's API; it is the only instance for now.
+    let api = |path: &str| format!("{}{}", first.base, path);
+    let put = |path: String, body: Value| http.put(path).json(&body).send();
+    assert_eq!(
+        put(api("/v1/streams/ORDERS"), json!({"subjects":["orders.*"],"partitions":8})).await.unwrap().status(),
+        201
+    );
+    let group = json!({"kind":"static","partitions":8,"members":["m1"],"ack_wait_ms":2000});
+    assert_eq!(put(api("/v1/streams/ORDERS/groups/g"), group).await.unwrap().status(), 201);
+    let hook = json!({"url": receiver.url("/hook")});
+    assert_eq!(put(api("/v1/streams/ORDERS/groups/g/members/m1/webhook"), hook).await.unwrap().status(), 201);
+    // `admin` is a second keygate: the standby once it sees the registration.
+    let mut published = publish_batch(&admin, "ORDERS", 0, 1, 40).await;
+    wait_all_acked(&receiver, &published, Duration::from_secs(20)).await;
+    let (_, view) = admin.get("/v1/streams/ORDERS/groups/g").await;
+    assert_eq!(view["assignment"][0]["serving_instance"], "keygate-a");
+
+    let mut n = 1;
+    while n < 600 {
+        published.extend(publish_batch(&admin, "ORDERS", n, 50, 40).await);
+        n += 50;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Kill the pinned keygate with deliveries in flight and messages held.
+    eventually(Duration::from_secs(20), || async { (receiver.requests().len() > 150).then_some(()) }).await;
+    let killed_at = Instant::now();
+    first.kill();
+    let fencing_before = receiver.requests().iter().map(Recorded::fencing).max().unwrap();
+    while n < 1200 {
+        published.extend(publish_batch(&admin, "ORDERS", n, 50, 40).await);
+        n += 50;
+    }
+    let requests = wait_all_acked(&receiver, &published, Duration::from_secs(60)).await;
+    let keyed = by_key(&published);
+    assert_key_order(&requests, &keyed, &[]);
+    let takeover =
+        requests.iter().filter(|r| r.fencing() > fencing_before).map(|r| r.at).min().expect("the standby delivered");
+    let failover = takeover.duration_since(killed_at);
+    println!("failover: the standby delivered {:.2} s after the kill (pinned TTL 2 s)", failover.as_secs_f64());
+    assert!(failover < Duration::from_secs(3), "took over within priority_timeout + 1 s: {failover:?}");
+    let (_, view) = admin.get("/v1/streams/ORDERS/groups/g").await;
+    assert_ne!(view["assignment"][0]["serving_instance"], "keygate-a");
+    let duplicates = requests.len() - published.len();
+    println!("{} messages, {} deliveries ({duplicates} redelivered after the kill)", published.len(), requests.len());
+}
+
+#[tokio::test]
+async fn elastic_members_added_and_dropped_while_messages_flow_lose_nothing() {
+    let app = TestApp::start().await;
+    let receiver = Receiver::start(|_, _| Answer::ok().after(Duration::from_millis(2))).await;
+    app.create_stream("EV", json!({"subjects":["ev.*"]})).await;
+    let group = json!({"kind":"elastic","partitions":8,"partitioning_filters":[{"filter":"ev.*","wildcards":[1]}],"members":["a"],"ack_wait_ms":2000});
+    let (status, _) = app.put("/v1/streams/EV/groups/g", group).await;
+    assert_eq!(status, 201);
+    let register = |member: &'static str| {
+        let app = &app;
+        let url = receiver.url(&format!("/{member}"));
+        async move {
+            let (status, body) =
+                app.put(&format!("/v1/streams/EV/groups/g/members/{member}/webhook"), json!({"url": url})).await;
+            assert_eq!(status, 201, "{body}");
+        }
+    };
+    register("a").await;
+    let mut published = Vec::new();
+    let mut n = 0;
+    for round in 0..30 {
+        published.extend(publish_batch(&app, "EV", n, 40, 30).await);
+        n += 40;
+        if round == 8 {
+            let (status, _) = app.post("/v1/streams/EV/groups/g/members", json!({"members":["b"]})).await;
+            assert_eq!(status, 200);
+            register("b").await;
+        }
+        if round == 18 {
+            let (status, _) = app.delete("/v1/streams/EV/groups/g/members/a").await;
+            assert_eq!(status, 200);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let requests = wait_all_acked(&receiver, &published, Duration::from_secs(60)).await;
+    assert_key_order(&requests, &by_key(&published), &[]);
+    let served_by = |path: &str| requests.iter().filter(|r| r.path == path && r.ok()).count();
+    assert!(served_by("/a") > 0 && served_by("/b") > 0, "both members served");
+    let last_a = requests.iter().filter(|r| r.path == "/a").map(|r| r.at).max().unwrap();
+    let last = requests.iter().map(|r| r.at).max().unwrap();
+    assert!(last_a < last, "after a was dropped, b served everything");
+}
