@@ -127,30 +127,39 @@ pub fn subject_filter(stream: Option<&str>, group: Option<&str>, member: Option<
 /// Fans events out to NATS and local listeners.
 #[derive(Clone)]
 pub struct EventBus {
-    nats: async_nats::Client,
+    outbound: tokio::sync::mpsc::Sender<Event>,
     local: broadcast::Sender<Event>,
 }
 
+/// Events waiting for NATS; past this, new ones are dropped (events are
+/// notifications: delivery never waits for them).
+const OUTBOUND_CAPACITY: usize = 16_384;
+
 impl EventBus {
-    /// A bus publishing through `nats`.
+    /// A bus publishing through `nats` (from one task, in order).
     pub fn new(nats: async_nats::Client) -> Self {
         let (local, _) = broadcast::channel(4096);
-        Self { nats, local }
+        let (outbound, mut queue) = tokio::sync::mpsc::channel::<Event>(OUTBOUND_CAPACITY);
+        tokio::spawn(async move {
+            while let Some(event) = queue.recv().await {
+                let Ok(payload) = serde_json::to_vec(&event) else { continue };
+                if let Err(e) = nats.publish(event.subject(), payload.into()).await {
+                    tracing::debug!(error = %e, "publishing event");
+                }
+            }
+        });
+        Self { outbound, local }
     }
 
     /// Publishes an event (best effort: events are notifications, not data).
     pub fn emit(&self, event: Event) {
         tracing::debug!(event = event.event_type.as_str(), stream = %event.stream, group = %event.group, member = %event.member, partition = ?event.partition, seq = ?event.seq, "event");
-        if let Ok(payload) = serde_json::to_vec(&event) {
-            let nats = self.nats.clone();
-            let subject = event.subject();
-            tokio::spawn(async move {
-                if let Err(e) = nats.publish(subject, payload.into()).await {
-                    tracing::debug!(error = %e, "publishing event");
-                }
-            });
+        if self.local.receiver_count() > 0 {
+            let _ = self.local.send(event.clone());
         }
-        let _ = self.local.send(event);
+        if self.outbound.try_send(event).is_err() {
+            tracing::debug!("event queue full: event dropped");
+        }
     }
 
     /// Local events from now on.

@@ -13,7 +13,8 @@ use crate::groups::config::MemberMapping;
 use crate::groups::spec::Mapping;
 use crate::groups::view::{BlockedView, GroupSummary, GroupView, MembershipView};
 use crate::groups::{GroupKind, GroupSpec};
-use crate::member::instance::{ask, BlockedPartition, Control, MemberRef};
+use crate::member::control::{ask, BlockedPartition, Control};
+use crate::member::instance::MemberRef;
 use crate::names::{GroupName, MemberName, StreamName};
 
 /// Picks the flavour when a name is used by both.

@@ -3,30 +3,31 @@
 //! member's webhook, and follows rebalances. Every keygate replica runs one
 //! instance per registered member; the pin makes one of them active.
 //!
-//! The instance is an actor: one task owns the pin, the lanes and the pull;
-//! deliveries run as futures it polls and report their settlement back.
+//! The session task owns the pin and the pull; each partition with a ready
+//! head has a lane task that delivers its messages one at a time and picks
+//! the next itself, so a partition's next message goes out without a round
+//! trip through the session.
 
-use std::collections::BTreeSet;
-use std::sync::Arc;
+use std::collections::{BTreeSet, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, AckKind};
 use bytes::Bytes;
-use futures::future::BoxFuture;
-use futures::stream::FuturesUnordered;
 use futures::StreamExt;
-use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use super::consumer::{join, pull_expiry, JoinError};
+use super::control::{BlockedPartition, Control, ControlReply};
+use super::deliver::{dead_letter_and_term, deliver, origin_of, Delivered, Held};
 use super::fencing::next_token;
 use super::lanes::{Blocked, Lanes, Offered, Settled};
 use super::pull::{classify, next_subject, PullRequest, Reply};
-use crate::delivery::dead_letter::{self, DeadLetter};
-use crate::delivery::header_safe;
 use crate::delivery::signing::SigningKey;
-use crate::delivery::verdict::{backoff, Verdict};
-use crate::delivery::webhook::{registration_key, Outbound, Registration, WebhookClient, WebhookStore};
+use crate::delivery::webhook::{registration_key, Registration, WebhookClient, WebhookStore};
 use crate::events::{Event, EventBus, EventType};
 use crate::groups::admin::{filter_subjects_of, DEFAULT_ACK_WAIT_MS};
 use crate::groups::config::{config_key, ELASTIC_BUCKET, STATIC_BUCKET};
@@ -36,9 +37,13 @@ use crate::partition::{decode_key, PartitionSpec, SubjectPattern};
 
 /// Most messages asked for in one pull.
 const MAX_PULL_BATCH: usize = 256;
-/// How often a non-pinned instance checks who holds the pin, and a pinned
-/// one whether the handover barrier can come down.
+/// Pulls kept open at once, so the server always has one to deliver on.
+const MAX_OPEN_PULLS: usize = 3;
+/// How often a non-pinned instance checks who holds the pin.
 const PIN_CHECK: Duration = Duration::from_millis(250);
+/// How often a newly pinned instance checks whether the handover barrier
+/// can come down (nothing is delivered until it does).
+const BARRIER_CHECK: Duration = Duration::from_millis(20);
 
 /// What every instance shares.
 pub struct InstanceContext {
@@ -66,7 +71,7 @@ pub struct MemberRef {
 }
 
 impl MemberRef {
-    fn event(&self, ctx: &InstanceContext, event_type: EventType) -> Event {
+    pub(crate) fn event(&self, ctx: &InstanceContext, event_type: EventType) -> Event {
         Event::new(event_type, self.stream.as_str(), self.group.as_str(), self.member.as_str(), &ctx.instance_id)
     }
 
@@ -74,70 +79,6 @@ impl MemberRef {
     pub fn control_subject(&self) -> String {
         format!("keygate.control.{}.{}.{}", self.stream, self.group, self.member)
     }
-}
-
-/// A control request to the instance that holds a member's pin.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(tag = "op", rename_all = "kebab-case")]
-pub enum Control {
-    /// Blocked partitions and counters.
-    Status,
-    /// Terminate a blocked partition's head (to the dead-letter stream).
-    Skip { partition: u32 },
-    /// Redeliver a blocked partition's head now instead of after its delay.
-    RetryNow { partition: u32 },
-}
-
-/// A blocked partition as the pinned instance reports it.
-#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct BlockedPartition {
-    pub partition: u32,
-    /// Stream sequence of the head message.
-    pub seq: u64,
-    #[serde(with = "time::serde::rfc3339")]
-    #[schema(value_type = String, format = DateTime)]
-    pub since: time::OffsetDateTime,
-    pub attempts: u64,
-    pub last_error: String,
-}
-
-/// The pinned instance's answer to a control request.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct ControlReply {
-    pub instance: String,
-    pub ok: bool,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub error: Option<String>,
-    #[serde(default)]
-    pub blocked: Vec<BlockedPartition>,
-    #[serde(default)]
-    pub holding: usize,
-    #[serde(default)]
-    pub fencing_token: u64,
-}
-
-/// A message delivered to this instance.
-#[derive(Debug)]
-struct Delivered {
-    message: jetstream::Message,
-    partition: u32,
-    stream_seq: u64,
-    attempt: u64,
-    subject: String,
-    key: Option<String>,
-    origin_stream: String,
-    origin_seq: u64,
-}
-
-type Held = Arc<Delivered>;
-
-/// What a delivery future reports.
-struct Outcome {
-    partition: u32,
-    seq: u64,
-    settled: Settled,
-    events: Vec<Event>,
-    gone: bool,
 }
 
 /// Why a session ended.
@@ -358,27 +299,104 @@ struct Outstanding {
     deadline: Instant,
 }
 
-struct Session {
+/// Lane state shared by the session and the lane tasks. Never held across
+/// an await.
+struct LaneState {
+    lanes: Lanes<Held>,
+    blocked_reported: BTreeSet<u32>,
+}
+
+/// What lane tasks need.
+#[derive(Clone)]
+struct LaneShared {
     ctx: Arc<InstanceContext>,
     who: MemberRef,
     registration: Arc<Registration>,
     key: Arc<SigningKey>,
+    state: Arc<Mutex<LaneState>>,
+    /// Whether this instance holds the pin (lanes stop when it does not).
+    pinned: Arc<AtomicBool>,
+    fencing: Arc<AtomicU64>,
+    /// Set when the endpoint answered 410.
+    gone: Arc<AtomicBool>,
+    wake: Arc<Notify>,
+}
+
+impl LaneShared {
+    fn lock(&self) -> MutexGuard<'_, LaneState> {
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// Delivers one partition's messages, one at a time, for as long as the
+/// partition has a ready head: the next message goes out the moment the
+/// previous one is settled, without a round trip through the session.
+async fn run_lane(shared: LaneShared, partition: u32, first: (u64, Held)) {
+    let mut next = Some(first);
+    while let Some((seq, held)) = next {
+        let fencing = shared.fencing.load(Ordering::Relaxed);
+        let outcome = deliver(
+            shared.ctx.clone(),
+            shared.who.clone(),
+            shared.registration.clone(),
+            shared.key.clone(),
+            held,
+            fencing,
+        )
+        .await;
+        for e in outcome.events {
+            shared.ctx.events.emit(e);
+        }
+        if outcome.gone {
+            shared.gone.store(true, Ordering::Relaxed);
+            shared.wake.notify_one();
+        }
+        let naked = matches!(outcome.settled, Settled::Naked { .. });
+        let mut state = shared.lock();
+        let was_blocked = state.lanes.blocked().contains_key(&partition);
+        state.lanes.settle(partition, seq, outcome.settled);
+        let blocked = state.lanes.blocked().remove(&partition);
+        if naked && !state.blocked_reported.contains(&partition) {
+            state.blocked_reported.insert(partition);
+            if let Some(b) = blocked {
+                let mut e = shared.who.event(&shared.ctx, EventType::PartitionBlocked);
+                e.partition = Some(partition);
+                e.seq = Some(b.seq);
+                e.attempt = Some(b.attempts);
+                e.reason = Some(b.last_error);
+                shared.ctx.events.emit(e);
+            }
+        } else if was_blocked && blocked.is_none() {
+            state.blocked_reported.remove(&partition);
+            let mut e = shared.who.event(&shared.ctx, EventType::PartitionUnblocked);
+            e.partition = Some(partition);
+            e.seq = Some(seq);
+            shared.ctx.events.emit(e);
+        }
+        next = if shared.pinned.load(Ordering::Relaxed) && !shared.gone.load(Ordering::Relaxed) {
+            state.lanes.dispatch_partition(partition)
+        } else {
+            None
+        };
+    }
+}
+
+struct Session {
+    shared: LaneShared,
     config: GroupConfig,
     revision: u64,
     stream_name: String,
     consumer: String,
     ack_wait: Duration,
     keys: KeyLocator,
-    lanes: Lanes<Held>,
     pin: Option<String>,
-    fencing: u64,
     standby: bool,
     last_message: Instant,
-    blocked_reported: BTreeSet<u32>,
     inbox: String,
     pulls: u64,
-    outstanding: Option<Outstanding>,
-    deliveries: FuturesUnordered<BoxFuture<'static, Outcome>>,
+    /// Open pulls, oldest first.
+    outstanding: VecDeque<Outstanding>,
+    lane_tasks: TaskTracker,
 }
 
 impl Session {
@@ -396,58 +414,77 @@ impl Session {
     ) -> Option<Self> {
         let keys = KeyLocator::for_group(&ctx, &config, who.stream.as_str()).await;
         let inbox = ctx.nats.new_inbox();
-        Some(Self {
+        let shared = LaneShared {
             ctx,
             who,
             registration: Arc::new(registration),
             key: Arc::new(key),
+            state: Arc::new(Mutex::new(LaneState { lanes: Lanes::default(), blocked_reported: BTreeSet::new() })),
+            pinned: Arc::default(),
+            fencing: Arc::default(),
+            gone: Arc::default(),
+            wake: Arc::default(),
+        };
+        Some(Self {
+            shared,
             config,
             revision,
             stream_name,
             consumer,
             ack_wait,
             keys,
-            lanes: Lanes::default(),
             pin: None,
-            fencing: 0,
             standby: false,
             last_message: Instant::now(),
-            blocked_reported: BTreeSet::new(),
             inbox,
             pulls: 0,
-            outstanding: None,
-            deliveries: FuturesUnordered::new(),
+            outstanding: VecDeque::new(),
+            lane_tasks: TaskTracker::new(),
         })
     }
 
+    fn ctx(&self) -> &Arc<InstanceContext> {
+        &self.shared.ctx
+    }
+
+    fn who(&self) -> &MemberRef {
+        &self.shared.who
+    }
+
     async fn run(mut self, cancel: &CancellationToken) -> SessionEnd {
-        let Ok(mut replies) = self.ctx.nats.subscribe(format!("{}.*", self.inbox)).await else {
+        let Ok(mut replies) = self.ctx().nats.subscribe(format!("{}.*", self.inbox)).await else {
             return SessionEnd::ConsumerGone;
         };
-        let Ok(mut control) = self.ctx.nats.subscribe(self.who.control_subject()).await else {
+        let Ok(mut control) = self.ctx().nats.subscribe(self.who().control_subject()).await else {
             return SessionEnd::ConsumerGone;
         };
         let bucket = match self.config.kind() {
             GroupKind::Static => STATIC_BUCKET,
             GroupKind::Elastic => ELASTIC_BUCKET,
         };
-        let key = config_key(self.who.stream.as_str(), self.who.group.as_str());
-        let mut watch = match self.ctx.js.get_key_value(bucket).await {
+        let key = config_key(self.who().stream.as_str(), self.who().group.as_str());
+        let mut watch = match self.ctx().js.get_key_value(bucket).await {
             Ok(store) => store.watch_with_history(&key).await.ok(),
             Err(_) => None,
         };
         let progress_every = (self.ack_wait / 3).max(Duration::from_millis(100));
         let mut progress = tokio::time::interval(progress_every);
         let mut pin_check = tokio::time::interval(PIN_CHECK);
-        let my_filters = filter_subjects_of(&self.config, self.who.member.as_str());
-        let mut gone = false;
+        let mut barrier_check = tokio::time::interval(BARRIER_CHECK);
+        let my_filters = filter_subjects_of(&self.config, self.who().member.as_str());
+        let wake = self.shared.wake.clone();
         let end = loop {
-            if !gone {
-                self.dispatch();
-                self.ensure_pull().await;
+            if self.shared.gone.load(Ordering::Relaxed) {
+                break SessionEnd::Gone;
             }
-            let pull_deadline =
-                self.outstanding.as_ref().map_or_else(|| Instant::now() + Duration::from_secs(3600), |o| o.deadline);
+            self.dispatch();
+            self.ensure_pull().await;
+            let pull_deadline = self
+                .outstanding
+                .iter()
+                .map(|o| o.deadline)
+                .min()
+                .unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
             tokio::select! {
                 () = cancel.cancelled() => break SessionEnd::Shutdown,
                 reply = replies.next() => {
@@ -456,16 +493,14 @@ impl Session {
                         break end;
                     }
                 }
-                Some(outcome) = self.deliveries.next() => {
-                    gone |= outcome.gone;
-                    self.on_outcome(outcome);
-                    if gone && self.deliveries.is_empty() {
-                        break SessionEnd::Gone;
-                    }
-                }
+                () = wake.notified() => {}
                 _ = progress.tick() => self.progress().await,
                 _ = pin_check.tick() => self.check_pin().await,
-                () = tokio::time::sleep_until(pull_deadline.into()) => self.outstanding = None,
+                _ = barrier_check.tick(), if self.pin.is_some() && self.shared.lock().lanes.barrier() => self.check_pin().await,
+                () = tokio::time::sleep_until(pull_deadline.into()) => {
+                    let now = Instant::now();
+                    self.outstanding.retain(|o| o.deadline > now);
+                }
                 request = control.next() => {
                     if let Some(request) = request {
                         self.on_control(request).await;
@@ -480,7 +515,7 @@ impl Session {
                             let changed = match crate::groups::admin::parse_stored(self.config.kind(), &entry.value) {
                                 Ok(next) => {
                                     next.partitions() != self.config.partitions()
-                                        || filter_subjects_of(&next, self.who.member.as_str()) != my_filters
+                                        || filter_subjects_of(&next, self.who().member.as_str()) != my_filters
                                 }
                                 Err(_) => true,
                             };
@@ -498,32 +533,37 @@ impl Session {
         end
     }
 
-    /// Sends the next pull when none is outstanding.
+    /// Keeps pulls open: a new one goes out while less than a batch is
+    /// still asked for, so the server never waits for the next pull.
     async fn ensure_pull(&mut self) {
-        if self.outstanding.is_some() {
-            return;
-        }
         // Hold cap: a partition blocked with many messages behind its head
         // slows intake to one message per pull, which still keeps the pin.
-        let room = if self.lanes.deepest() >= self.ctx.hold_cap { 1 } else { MAX_PULL_BATCH };
-        self.pulls += 1;
-        let reply = format!("{}.{}", self.inbox, self.pulls);
-        let expires = pull_expiry(self.ack_wait);
-        let body = serde_json::to_vec(&PullRequest::new(room, expires, self.pin.as_deref())).unwrap_or_default();
-        let subject = next_subject(&self.stream_name, &self.consumer);
-        if let Err(e) = self.ctx.nats.publish_with_reply(subject, reply.clone(), Bytes::from(body)).await {
-            tracing::debug!(error = %e, "sending pull");
-            return;
+        let deepest = self.shared.lock().lanes.deepest();
+        let trickle = deepest >= self.ctx().hold_cap;
+        loop {
+            let asked: usize = self.outstanding.iter().map(|o| o.remaining).sum();
+            let enough = if trickle { !self.outstanding.is_empty() } else { asked >= MAX_PULL_BATCH };
+            if enough || self.outstanding.len() >= MAX_OPEN_PULLS {
+                return;
+            }
+            let room = if trickle { 1 } else { MAX_PULL_BATCH };
+            self.pulls += 1;
+            let reply = format!("{}.{}", self.inbox, self.pulls);
+            let expires = pull_expiry(self.ack_wait);
+            let body = serde_json::to_vec(&PullRequest::new(room, expires, self.pin.as_deref())).unwrap_or_default();
+            let subject = next_subject(&self.stream_name, &self.consumer);
+            if let Err(e) = self.ctx().nats.publish_with_reply(subject, reply.clone(), Bytes::from(body)).await {
+                tracing::debug!(error = %e, "sending pull");
+                return;
+            }
+            let deadline = Instant::now() + expires + Duration::from_millis(500);
+            self.outstanding.push_back(Outstanding { reply, remaining: room, deadline });
         }
-        self.outstanding = Some(Outstanding {
-            reply,
-            remaining: room,
-            deadline: Instant::now() + expires + Duration::from_millis(500),
-        });
     }
 
     async fn on_reply(&mut self, reply: async_nats::Message) -> Option<SessionEnd> {
-        let for_current = self.outstanding.as_ref().is_some_and(|o| o.reply == reply.subject.as_str());
+        let subject = reply.subject.to_string();
+        let finish = |outstanding: &mut VecDeque<Outstanding>| outstanding.retain(|o| o.reply != subject);
         match classify(reply.status, reply.description.as_deref(), reply.headers.as_ref()) {
             Reply::Message { pin } => {
                 if let Some(pin) = pin {
@@ -531,23 +571,19 @@ impl Session {
                         self.gain_pin(pin).await;
                     }
                 }
-                if for_current {
-                    if let Some(o) = self.outstanding.as_mut() {
-                        o.remaining = o.remaining.saturating_sub(1);
-                        if o.remaining == 0 {
-                            self.outstanding = None;
-                        }
+                // Messages come with their own subject, not the pull's inbox
+                // subject; the server fills pulls oldest first.
+                if let Some(o) = self.outstanding.front_mut() {
+                    o.remaining = o.remaining.saturating_sub(1);
+                    if o.remaining == 0 {
+                        self.outstanding.pop_front();
                     }
                 }
                 self.take(reply);
             }
-            Reply::Done => {
-                if for_current {
-                    self.outstanding = None;
-                }
-            }
+            Reply::Done => finish(&mut self.outstanding),
             Reply::PinRejected { description } => {
-                self.outstanding = None;
+                self.outstanding.clear();
                 if self.pin.is_some() {
                     self.lose_pin(&description);
                 }
@@ -555,9 +591,7 @@ impl Session {
             Reply::ConsumerDeleted => return Some(SessionEnd::ConsumerGone),
             Reply::Conflict { description } => {
                 tracing::debug!(%description, "pull conflict");
-                if for_current {
-                    self.outstanding = None;
-                }
+                finish(&mut self.outstanding);
             }
             Reply::BadRequest { description } => {
                 tracing::warn!(%description, consumer = %self.consumer, "the server refused the pull");
@@ -571,37 +605,44 @@ impl Session {
     async fn gain_pin(&mut self, pin: String) {
         self.pin = Some(pin.clone());
         self.standby = false;
-        let key = registration_key(self.who.stream.as_str(), self.who.group.as_str(), self.who.member.as_str());
-        self.fencing = match next_token(&self.ctx.js, &key).await {
+        let who = self.who().clone();
+        let key = registration_key(who.stream.as_str(), who.group.as_str(), who.member.as_str());
+        let token = match next_token(&self.ctx().js, &key).await {
             Ok(token) => token,
             Err(e) => {
                 tracing::warn!(error = %e, "raising the fencing token failed");
-                self.fencing + 1
+                self.shared.fencing.load(Ordering::Relaxed) + 1
             }
         };
+        self.shared.fencing.store(token, Ordering::Relaxed);
         // Handover barrier: nothing goes out until every ack-pending message
         // of the consumer is ours.
-        self.lanes.set_barrier(true);
-        let mut e = self.who.event(&self.ctx, EventType::MemberPinned);
+        self.shared.lock().lanes.set_barrier(true);
+        self.shared.pinned.store(true, Ordering::Relaxed);
+        let mut e = who.event(self.ctx(), EventType::MemberPinned);
         e.pin_id = Some(pin);
-        e.fencing_token = Some(self.fencing);
-        e.partitions = Some(owned_partitions(&self.config, self.who.member.as_str()));
-        self.ctx.events.emit(e);
+        e.fencing_token = Some(token);
+        e.partitions = Some(owned_partitions(&self.config, who.member.as_str()));
+        self.ctx().events.emit(e);
     }
 
     fn lose_pin(&mut self, why: &str) {
         self.pin = None;
+        self.shared.pinned.store(false, Ordering::Relaxed);
         // What we held is no longer ours: the new holder gets it after ack wait.
-        self.lanes.clear();
-        self.blocked_reported.clear();
-        let mut e = self.who.event(&self.ctx, EventType::MemberUnpinned);
+        {
+            let mut state = self.shared.lock();
+            state.lanes.clear();
+            state.blocked_reported.clear();
+        }
+        let mut e = self.who().event(self.ctx(), EventType::MemberUnpinned);
         e.reason = Some(why.to_owned());
-        self.ctx.events.emit(e);
+        self.ctx().events.emit(e);
     }
 
     fn take(&mut self, reply: async_nats::Message) {
         self.last_message = Instant::now();
-        let message = jetstream::Message { message: reply, context: self.ctx.js.clone() };
+        let message = jetstream::Message { message: reply, context: self.ctx().js.clone() };
         let Ok(info) = message.info() else { return };
         let (stream_seq, attempt) = (info.stream_sequence, info.delivered.max(1) as u64);
         let full = message.subject.to_string();
@@ -612,82 +653,57 @@ impl Session {
             },
             None => return,
         };
-        let (origin_stream, origin_seq) = origin_of(&message, self.who.stream.as_str(), stream_seq);
+        let (origin_stream, origin_seq) = origin_of(&message, self.who().stream.as_str(), stream_seq);
         let key = self.keys.key(&subject);
         let held =
             Arc::new(Delivered { message, partition, stream_seq, attempt, subject, key, origin_stream, origin_seq });
-        if self.lanes.offer(partition, stream_seq, held.clone()) == Offered::AlreadySettled {
+        let offered = self.shared.lock().lanes.offer(partition, stream_seq, held.clone());
+        if offered == Offered::AlreadySettled {
             tokio::spawn(async move {
                 let _ = held.message.ack().await;
             });
         }
     }
 
+    /// Starts a lane task for every partition whose head may go and that
+    /// has no delivery running.
     fn dispatch(&mut self) {
         if self.pin.is_none() {
             return;
         }
-        for (_, _, held) in self.lanes.dispatch() {
-            let delivery = deliver(
-                self.ctx.clone(),
-                self.who.clone(),
-                self.registration.clone(),
-                self.key.clone(),
-                held,
-                self.fencing,
-            );
-            self.deliveries.push(Box::pin(delivery));
-        }
-    }
-
-    fn on_outcome(&mut self, outcome: Outcome) {
-        for e in outcome.events {
-            self.ctx.events.emit(e);
-        }
-        let was_blocked = self.lanes.blocked().contains_key(&outcome.partition);
-        let naked = matches!(outcome.settled, Settled::Naked { .. });
-        self.lanes.settle(outcome.partition, outcome.seq, outcome.settled);
-        let blocked = self.lanes.blocked();
-        if naked && !self.blocked_reported.contains(&outcome.partition) {
-            self.blocked_reported.insert(outcome.partition);
-            if let Some(b) = blocked.get(&outcome.partition) {
-                let mut e = self.who.event(&self.ctx, EventType::PartitionBlocked);
-                e.partition = Some(outcome.partition);
-                e.seq = Some(b.seq);
-                e.attempt = Some(b.attempts);
-                e.reason = Some(b.last_error.clone());
-                self.ctx.events.emit(e);
-            }
-        } else if was_blocked && !blocked.contains_key(&outcome.partition) {
-            self.blocked_reported.remove(&outcome.partition);
-            let mut e = self.who.event(&self.ctx, EventType::PartitionUnblocked);
-            e.partition = Some(outcome.partition);
-            e.seq = Some(outcome.seq);
-            self.ctx.events.emit(e);
+        let ready = self.shared.lock().lanes.dispatch();
+        for (partition, seq, held) in ready {
+            self.lane_tasks.spawn(run_lane(self.shared.clone(), partition, (seq, held)));
         }
     }
 
     /// Keeps held and in-flight messages from timing out (ack wait).
     async fn progress(&mut self) {
-        let messages: Vec<Held> = self.lanes.held_messages().chain(self.lanes.in_flight_messages()).cloned().collect();
+        let messages: Vec<Held> = {
+            let state = self.shared.lock();
+            state.lanes.held_messages().chain(state.lanes.in_flight_messages()).cloned().collect()
+        };
         for held in messages {
             let _ = held.message.ack_with(AckKind::Progress).await;
         }
     }
 
     async fn check_pin(&mut self) {
-        let barrier = self.pin.is_some() && self.lanes.barrier();
+        let (barrier, ours) = {
+            let state = self.shared.lock();
+            (state.lanes.barrier(), state.lanes.holding() + state.lanes.awaiting())
+        };
+        let barrier = self.pin.is_some() && barrier;
         if !barrier && self.pin.is_some() {
             return;
         }
-        // Counted before asking, so messages arriving meanwhile can only
-        // make the server's count higher (the safe side).
-        let ours = self.lanes.holding() + self.lanes.awaiting();
-        let Ok(handle) = self.ctx.js.get_stream_no_info(&self.stream_name).await else { return };
+        // `ours` was counted before asking, so messages arriving meanwhile
+        // can only make the server's count higher (the safe side).
+        let Ok(handle) = self.ctx().js.get_stream_no_info(&self.stream_name).await else { return };
         let Ok(info) = handle.consumer_info(&self.consumer).await else { return };
         if barrier {
             if info.num_ack_pending <= ours {
-                self.lanes.set_barrier(false);
+                self.shared.lock().lanes.set_barrier(false);
             }
             return;
         }
@@ -698,12 +714,14 @@ impl Session {
         let quiet = self.last_message.elapsed() > Duration::from_secs(1);
         if pinned_elsewhere && quiet && !self.standby {
             self.standby = true;
-            self.ctx.events.emit(self.who.event(&self.ctx, EventType::MemberStandby));
+            self.ctx().events.emit(self.who().event(self.ctx(), EventType::MemberStandby));
         }
     }
 
     fn blocked_view(&self) -> Vec<BlockedPartition> {
-        self.lanes
+        self.shared
+            .lock()
+            .lanes
             .blocked()
             .into_iter()
             .map(|(partition, b): (u32, Blocked)| BlockedPartition {
@@ -724,29 +742,33 @@ impl Session {
         let Some(reply_to) = request.reply.clone() else { return };
         let Ok(control) = serde_json::from_slice::<Control>(&request.payload) else { return };
         let mut answer = ControlReply {
-            instance: self.ctx.instance_id.clone(),
+            instance: self.ctx().instance_id.clone(),
             ok: true,
             error: None,
             blocked: Vec::new(),
-            holding: self.lanes.holding(),
-            fencing_token: self.fencing,
+            holding: self.shared.lock().lanes.holding(),
+            fencing_token: self.shared.fencing.load(Ordering::Relaxed),
         };
+        let head = |partition: u32| self.shared.lock().lanes.blocked_head(partition);
         match control {
             Control::Status => {}
-            Control::Skip { partition } => match self.lanes.blocked_head(partition) {
+            Control::Skip { partition } => match head(partition) {
                 Some((seq, held)) => {
                     let reason = "skipped by an operator";
-                    match dead_letter_and_term(&self.ctx, &self.who, &held, reason).await {
+                    match dead_letter_and_term(self.ctx(), self.who(), &held, reason).await {
                         Ok(events) => {
-                            self.lanes.skip(partition, seq);
-                            self.blocked_reported.remove(&partition);
-                            for e in events {
-                                self.ctx.events.emit(e);
+                            {
+                                let mut state = self.shared.lock();
+                                state.lanes.skip(partition, seq);
+                                state.blocked_reported.remove(&partition);
                             }
-                            let mut e = self.who.event(&self.ctx, EventType::PartitionUnblocked);
+                            for e in events {
+                                self.ctx().events.emit(e);
+                            }
+                            let mut e = self.who().event(self.ctx(), EventType::PartitionUnblocked);
                             e.partition = Some(partition);
                             e.seq = Some(seq);
-                            self.ctx.events.emit(e);
+                            self.ctx().events.emit(e);
                         }
                         Err(e) => {
                             answer.ok = false;
@@ -759,7 +781,7 @@ impl Session {
                     answer.error = Some(format!("partition {partition} is not blocked"));
                 }
             },
-            Control::RetryNow { partition } => match self.lanes.blocked_head(partition) {
+            Control::RetryNow { partition } => match head(partition) {
                 Some((_, held)) => {
                     if let Err(e) = held.message.ack_with(AckKind::Nak(None)).await {
                         answer.ok = false;
@@ -774,32 +796,27 @@ impl Session {
         }
         answer.blocked = self.blocked_view();
         if let Ok(payload) = serde_json::to_vec(&answer) {
-            let _ = self.ctx.nats.publish(reply_to, payload.into()).await;
+            let _ = self.ctx().nats.publish(reply_to, payload.into()).await;
         }
     }
 
-    /// Stop pulling; let deliveries in flight finish within the grace, NAK
-    /// the rest; leave held messages to time out to their next holder.
+    /// Stop pulling and dispatching; let deliveries in flight finish within
+    /// the grace, NAK the rest; held messages time out to their next holder.
     async fn wind_down(&mut self, end: &SessionEnd) {
+        self.shared.pinned.store(false, Ordering::Relaxed);
         let grace = match end {
-            SessionEnd::Shutdown | SessionEnd::Rejoin { .. } => self.ctx.shutdown_grace,
+            SessionEnd::Shutdown | SessionEnd::Rejoin { .. } => self.ctx().shutdown_grace,
             _ => Duration::ZERO,
         };
-        let deadline = tokio::time::Instant::now() + grace;
-        while !self.deliveries.is_empty() {
-            match tokio::time::timeout_at(deadline, self.deliveries.next()).await {
-                Ok(Some(outcome)) => self.on_outcome(outcome),
-                Ok(None) => break,
-                Err(_) => {
-                    for held in self.lanes.in_flight_messages().cloned().collect::<Vec<_>>() {
-                        let _ = held.message.ack_with(AckKind::Nak(None)).await;
-                    }
-                    break;
-                }
+        self.lane_tasks.close();
+        if tokio::time::timeout(grace, self.lane_tasks.wait()).await.is_err() {
+            let in_flight: Vec<Held> = self.shared.lock().lanes.in_flight_messages().cloned().collect();
+            for held in in_flight {
+                let _ = held.message.ack_with(AckKind::Nak(None)).await;
             }
         }
         if self.pin.is_some() {
-            let mut e = self.who.event(&self.ctx, EventType::MemberUnpinned);
+            let mut e = self.who().event(self.ctx(), EventType::MemberUnpinned);
             e.reason = Some(
                 match end {
                     SessionEnd::Shutdown => "shutting down",
@@ -809,9 +826,9 @@ impl Session {
                 }
                 .into(),
             );
-            self.ctx.events.emit(e);
+            self.ctx().events.emit(e);
         }
-        let _ = self.ctx.nats.flush().await;
+        let _ = self.ctx().nats.flush().await;
     }
 }
 
@@ -822,202 +839,5 @@ async fn next_watch(watch: &mut Option<async_nats::jetstream::kv::Watch>) -> Opt
             _ => None,
         },
         None => futures::future::pending().await,
-    }
-}
-
-/// The origin stream and sequence of a message: an elastic group's
-/// work-queue copy names its source in `Nats-Stream-Source`.
-fn origin_of(message: &jetstream::Message, stream: &str, seq: u64) -> (String, u64) {
-    let source = message.headers.as_ref().and_then(|h| h.get("Nats-Stream-Source")).map(|v| v.to_string());
-    if let Some(source) = source {
-        let mut parts = source.split_whitespace();
-        if let (Some(name), Some(origin_seq)) = (parts.next(), parts.next().and_then(|s| s.parse().ok())) {
-            let name = name.split(':').next().unwrap_or(name);
-            return (name.to_owned(), origin_seq);
-        }
-    }
-    (stream.to_owned(), seq)
-}
-
-fn outbound(who: &MemberRef, held: &Delivered, fencing: u64) -> Outbound {
-    let mut headers = Vec::new();
-    let mut content_type = None;
-    if let Some(original) = &held.message.headers {
-        for (name, values) in original.iter() {
-            let name: &str = name.as_ref();
-            if name.starts_with("Nats-") || name.to_ascii_lowercase().starts_with("keygate-") {
-                continue;
-            }
-            for value in values {
-                if name.eq_ignore_ascii_case("content-type") {
-                    content_type = Some(value.to_string());
-                } else {
-                    headers.push((name.to_owned(), value.to_string()));
-                }
-            }
-        }
-    }
-    headers.push(("content-type".into(), content_type.unwrap_or_else(|| "application/octet-stream".into())));
-    headers.push(("keygate-stream".into(), who.stream.to_string()));
-    headers.push(("keygate-group".into(), who.group.to_string()));
-    headers.push(("keygate-member".into(), who.member.to_string()));
-    headers.push(("keygate-subject".into(), header_safe(&held.subject)));
-    if let Some(key) = &held.key {
-        headers.push(("keygate-key".into(), header_safe(key)));
-    }
-    headers.push(("keygate-partition".into(), held.partition.to_string()));
-    headers.push(("keygate-stream-seq".into(), held.origin_seq.to_string()));
-    headers.push(("keygate-attempt".into(), held.attempt.to_string()));
-    headers.push(("keygate-fencing-token".into(), fencing.to_string()));
-    Outbound { id: format!("{}-{}", held.origin_stream, held.origin_seq), body: held.message.payload.clone(), headers }
-}
-
-/// One delivery: call the endpoint, apply its verdict to the message.
-async fn deliver(
-    ctx: Arc<InstanceContext>,
-    who: MemberRef,
-    registration: Arc<Registration>,
-    key: Arc<SigningKey>,
-    held: Held,
-    fencing: u64,
-) -> Outcome {
-    let outbound = outbound(&who, &held, fencing);
-    let judgement = ctx.webhooks.call(&registration, &key, &outbound).await;
-    let event = |t: EventType| {
-        let mut e = who.event(&ctx, t);
-        e.partition = Some(held.partition);
-        e.seq = Some(held.origin_seq);
-        e.attempt = Some(held.attempt);
-        e
-    };
-    let mut events = Vec::new();
-    let (partition, seq) = (held.partition, held.stream_seq);
-    let retry = |delay: Option<Duration>| {
-        delay.unwrap_or_else(|| {
-            let b = registration.backoff;
-            backoff(held.attempt, Duration::from_millis(b.initial_ms), Duration::from_millis(b.max_ms), rand::random())
-        })
-    };
-    let settled = match judgement.verdict {
-        Verdict::Ack => {
-            if let Err(e) = held.message.ack().await {
-                tracing::debug!(error = %e, "ack not sent");
-            }
-            let mut e = event(EventType::MessageAcked);
-            e.reason = Some(judgement.reason.clone());
-            events.push(e);
-            Settled::Done
-        }
-        Verdict::Nak { .. } | Verdict::Progress if held.attempt >= registration.max_attempts => {
-            let reason = format!("gave up after {} attempts: {}", held.attempt, judgement.reason);
-            match dead_letter_and_term(&ctx, &who, &held, &reason).await {
-                Ok(mut e) => {
-                    events.append(&mut e);
-                    Settled::Done
-                }
-                Err(err) => {
-                    nak(
-                        &held,
-                        retry(None),
-                        &judgement.reason,
-                        &err.to_string(),
-                        &mut events,
-                        event(EventType::MessageNaked),
-                    )
-                    .await
-                }
-            }
-        }
-        Verdict::Nak { delay } => {
-            nak(&held, retry(delay), &judgement.reason, "", &mut events, event(EventType::MessageNaked)).await
-        }
-        Verdict::Progress => {
-            nak(&held, retry(None), &judgement.reason, "", &mut events, event(EventType::MessageNaked)).await
-        }
-        Verdict::Term => match dead_letter_and_term(&ctx, &who, &held, &judgement.reason).await {
-            Ok(mut e) => {
-                events.append(&mut e);
-                Settled::Done
-            }
-            Err(err) => {
-                nak(
-                    &held,
-                    retry(None),
-                    &judgement.reason,
-                    &err.to_string(),
-                    &mut events,
-                    event(EventType::MessageNaked),
-                )
-                .await
-            }
-        },
-    };
-    Outcome { partition, seq, settled, events, gone: judgement.gone }
-}
-
-async fn nak(
-    held: &Delivered,
-    delay: Duration,
-    reason: &str,
-    extra: &str,
-    events: &mut Vec<Event>,
-    mut event: Event,
-) -> Settled {
-    if let Err(e) = held.message.ack_with(AckKind::Nak(Some(delay))).await {
-        tracing::debug!(error = %e, "nak not sent");
-    }
-    let error = if extra.is_empty() { reason.to_owned() } else { format!("{reason} ({extra})") };
-    event.delay_ms = Some(delay.as_millis() as u64);
-    event.reason = Some(error.clone());
-    events.push(event);
-    Settled::Naked { attempts: held.attempt, error }
-}
-
-/// Copies the message to the dead-letter stream, then terminates it: it is
-/// never terminated without its copy stored.
-async fn dead_letter_and_term(
-    ctx: &InstanceContext,
-    who: &MemberRef,
-    held: &Delivered,
-    reason: &str,
-) -> anyhow::Result<Vec<Event>> {
-    dead_letter::record(
-        &ctx.js,
-        DeadLetter {
-            stream: who.stream.as_str(),
-            group: who.group.as_str(),
-            member: who.member.as_str(),
-            subject: &held.subject,
-            key: held.key.as_deref(),
-            partition: held.partition,
-            stream_seq: held.origin_seq,
-            attempts: held.attempt,
-            reason,
-            headers: held.message.headers.as_ref(),
-            payload: held.message.payload.clone(),
-        },
-    )
-    .await?;
-    held.message.ack_with(AckKind::Term).await.map_err(|e| anyhow::anyhow!("terminating: {e}"))?;
-    let mut out = Vec::new();
-    for t in [EventType::MessageTerminated, EventType::MessageDeadLettered] {
-        let mut e = who.event(ctx, t);
-        e.partition = Some(held.partition);
-        e.seq = Some(held.origin_seq);
-        e.attempt = Some(held.attempt);
-        e.reason = Some(reason.to_owned());
-        out.push(e);
-    }
-    Ok(out)
-}
-
-/// Asks the pinned instance of a member; `None` when no instance holds the pin.
-pub async fn ask(nats: &async_nats::Client, who: &MemberRef, control: &Control) -> Option<ControlReply> {
-    let payload = serde_json::to_vec(control).ok()?;
-    let reply =
-        tokio::time::timeout(Duration::from_millis(750), nats.request(who.control_subject(), payload.into())).await;
-    match reply {
-        Ok(Ok(message)) => serde_json::from_slice(&message.payload).ok(),
-        _ => None,
     }
 }

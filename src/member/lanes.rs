@@ -134,6 +134,18 @@ impl<M: Clone> Lanes<M> {
         out
     }
 
+    /// The next message of one partition, if it may go now (marked in flight).
+    pub fn dispatch_partition(&mut self, partition: u32) -> Option<(u64, M)> {
+        if self.barrier {
+            return None;
+        }
+        let lane = self.lanes.get_mut(&partition)?;
+        let seq = lane.ready()?;
+        let message = lane.held.remove(&seq).expect("ready head is held");
+        lane.in_flight = Some((seq, message.clone()));
+        Some((seq, message))
+    }
+
     /// Records how an in-flight message ended.
     pub fn settle(&mut self, partition: u32, seq: u64, settled: Settled) {
         let Some(lane) = self.lanes.get_mut(&partition) else { return };

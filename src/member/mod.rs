@@ -3,6 +3,8 @@
 //! supervisor that runs an instance for every registered webhook.
 
 pub mod consumer;
+pub mod control;
+pub mod deliver;
 pub mod fencing;
 pub mod instance;
 pub mod lanes;

@@ -1,0 +1,60 @@
+//! Control requests to the instance holding a member's pin (status,
+//! skip, retry-now), over core NATS request/reply: every instance of the
+//! member listens, only the pin holder answers.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::instance::MemberRef;
+
+/// A control request to the instance that holds a member's pin.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "kebab-case")]
+pub enum Control {
+    /// Blocked partitions and counters.
+    Status,
+    /// Terminate a blocked partition's head (to the dead-letter stream).
+    Skip { partition: u32 },
+    /// Redeliver a blocked partition's head now instead of after its delay.
+    RetryNow { partition: u32 },
+}
+
+/// A blocked partition as the pinned instance reports it.
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct BlockedPartition {
+    pub partition: u32,
+    /// Stream sequence of the head message.
+    pub seq: u64,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub since: time::OffsetDateTime,
+    pub attempts: u64,
+    pub last_error: String,
+}
+
+/// The pinned instance's answer to a control request.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ControlReply {
+    pub instance: String,
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(default)]
+    pub blocked: Vec<BlockedPartition>,
+    #[serde(default)]
+    pub holding: usize,
+    #[serde(default)]
+    pub fencing_token: u64,
+}
+
+/// Asks the pinned instance of a member; `None` when no instance holds the pin.
+pub async fn ask(nats: &async_nats::Client, who: &MemberRef, control: &Control) -> Option<ControlReply> {
+    let payload = serde_json::to_vec(control).ok()?;
+    let reply =
+        tokio::time::timeout(Duration::from_millis(750), nats.request(who.control_subject(), payload.into())).await;
+    match reply {
+        Ok(Ok(message)) => serde_json::from_slice(&message.payload).ok(),
+        _ => None,
+    }
+}

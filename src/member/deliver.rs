@@ -1,0 +1,226 @@
+//! One delivery to a member's webhook: the request (payload, signature and
+//! `keygate-*` headers), and what its verdict does to the message (ack, NAK
+//! with backoff, or dead-letter then terminate).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind};
+
+use super::instance::{InstanceContext, MemberRef};
+use super::lanes::Settled;
+use crate::delivery::dead_letter::{self, DeadLetter};
+use crate::delivery::header_safe;
+use crate::delivery::signing::SigningKey;
+use crate::delivery::verdict::{backoff, Verdict};
+use crate::delivery::webhook::{Outbound, Registration};
+use crate::events::{Event, EventType};
+
+/// A message delivered to this instance.
+#[derive(Debug)]
+pub struct Delivered {
+    pub message: jetstream::Message,
+    pub partition: u32,
+    pub stream_seq: u64,
+    pub attempt: u64,
+    pub subject: String,
+    pub key: Option<String>,
+    pub origin_stream: String,
+    pub origin_seq: u64,
+}
+
+/// A delivered message, shared by its lane and its delivery.
+pub type Held = Arc<Delivered>;
+
+/// What a delivery future reports.
+pub struct Outcome {
+    pub settled: Settled,
+    pub events: Vec<Event>,
+    /// The endpoint answered 410 Gone.
+    pub gone: bool,
+}
+
+/// The origin stream and sequence of a message: an elastic group's
+/// work-queue copy names its source in `Nats-Stream-Source`.
+pub fn origin_of(message: &jetstream::Message, stream: &str, seq: u64) -> (String, u64) {
+    let source = message.headers.as_ref().and_then(|h| h.get("Nats-Stream-Source")).map(|v| v.to_string());
+    if let Some(source) = source {
+        let mut parts = source.split_whitespace();
+        if let (Some(name), Some(origin_seq)) = (parts.next(), parts.next().and_then(|s| s.parse().ok())) {
+            let name = name.split(':').next().unwrap_or(name);
+            return (name.to_owned(), origin_seq);
+        }
+    }
+    (stream.to_owned(), seq)
+}
+
+fn outbound(who: &MemberRef, held: &Delivered, fencing: u64) -> Outbound {
+    let mut headers = Vec::new();
+    let mut content_type = None;
+    if let Some(original) = &held.message.headers {
+        for (name, values) in original.iter() {
+            let name: &str = name.as_ref();
+            if name.starts_with("Nats-") || name.to_ascii_lowercase().starts_with("keygate-") {
+                continue;
+            }
+            for value in values {
+                if name.eq_ignore_ascii_case("content-type") {
+                    content_type = Some(value.to_string());
+                } else {
+                    headers.push((name.to_owned(), value.to_string()));
+                }
+            }
+        }
+    }
+    headers.push(("content-type".into(), content_type.unwrap_or_else(|| "application/octet-stream".into())));
+    headers.push(("keygate-stream".into(), who.stream.to_string()));
+    headers.push(("keygate-group".into(), who.group.to_string()));
+    headers.push(("keygate-member".into(), who.member.to_string()));
+    headers.push(("keygate-subject".into(), header_safe(&held.subject)));
+    if let Some(key) = &held.key {
+        headers.push(("keygate-key".into(), header_safe(key)));
+    }
+    headers.push(("keygate-partition".into(), held.partition.to_string()));
+    headers.push(("keygate-stream-seq".into(), held.origin_seq.to_string()));
+    headers.push(("keygate-attempt".into(), held.attempt.to_string()));
+    headers.push(("keygate-fencing-token".into(), fencing.to_string()));
+    Outbound { id: format!("{}-{}", held.origin_stream, held.origin_seq), body: held.message.payload.clone(), headers }
+}
+
+/// One delivery: call the endpoint, apply its verdict to the message.
+pub async fn deliver(
+    ctx: Arc<InstanceContext>,
+    who: MemberRef,
+    registration: Arc<Registration>,
+    key: Arc<SigningKey>,
+    held: Held,
+    fencing: u64,
+) -> Outcome {
+    let outbound = outbound(&who, &held, fencing);
+    let judgement = ctx.webhooks.call(&registration, &key, &outbound).await;
+    let event = |t: EventType| {
+        let mut e = who.event(&ctx, t);
+        e.partition = Some(held.partition);
+        e.seq = Some(held.origin_seq);
+        e.attempt = Some(held.attempt);
+        e
+    };
+    let mut events = Vec::new();
+    let retry = |delay: Option<Duration>| {
+        delay.unwrap_or_else(|| {
+            let b = registration.backoff;
+            backoff(held.attempt, Duration::from_millis(b.initial_ms), Duration::from_millis(b.max_ms), rand::random())
+        })
+    };
+    let settled = match judgement.verdict {
+        Verdict::Ack => {
+            if let Err(e) = held.message.ack().await {
+                tracing::debug!(error = %e, "ack not sent");
+            }
+            let mut e = event(EventType::MessageAcked);
+            e.reason = Some(judgement.reason.clone());
+            events.push(e);
+            Settled::Done
+        }
+        Verdict::Nak { .. } | Verdict::Progress if held.attempt >= registration.max_attempts => {
+            let reason = format!("gave up after {} attempts: {}", held.attempt, judgement.reason);
+            match dead_letter_and_term(&ctx, &who, &held, &reason).await {
+                Ok(mut e) => {
+                    events.append(&mut e);
+                    Settled::Done
+                }
+                Err(err) => {
+                    nak(
+                        &held,
+                        retry(None),
+                        &judgement.reason,
+                        &err.to_string(),
+                        &mut events,
+                        event(EventType::MessageNaked),
+                    )
+                    .await
+                }
+            }
+        }
+        Verdict::Nak { delay } => {
+            nak(&held, retry(delay), &judgement.reason, "", &mut events, event(EventType::MessageNaked)).await
+        }
+        Verdict::Progress => {
+            nak(&held, retry(None), &judgement.reason, "", &mut events, event(EventType::MessageNaked)).await
+        }
+        Verdict::Term => match dead_letter_and_term(&ctx, &who, &held, &judgement.reason).await {
+            Ok(mut e) => {
+                events.append(&mut e);
+                Settled::Done
+            }
+            Err(err) => {
+                nak(
+                    &held,
+                    retry(None),
+                    &judgement.reason,
+                    &err.to_string(),
+                    &mut events,
+                    event(EventType::MessageNaked),
+                )
+                .await
+            }
+        },
+    };
+    Outcome { settled, events, gone: judgement.gone }
+}
+
+async fn nak(
+    held: &Delivered,
+    delay: Duration,
+    reason: &str,
+    extra: &str,
+    events: &mut Vec<Event>,
+    mut event: Event,
+) -> Settled {
+    if let Err(e) = held.message.ack_with(AckKind::Nak(Some(delay))).await {
+        tracing::debug!(error = %e, "nak not sent");
+    }
+    let error = if extra.is_empty() { reason.to_owned() } else { format!("{reason} ({extra})") };
+    event.delay_ms = Some(delay.as_millis() as u64);
+    event.reason = Some(error.clone());
+    events.push(event);
+    Settled::Naked { attempts: held.attempt, error }
+}
+
+/// Copies the message to the dead-letter stream, then terminates it: it is
+/// never terminated without its copy stored.
+pub async fn dead_letter_and_term(
+    ctx: &InstanceContext,
+    who: &MemberRef,
+    held: &Delivered,
+    reason: &str,
+) -> anyhow::Result<Vec<Event>> {
+    dead_letter::record(
+        &ctx.js,
+        DeadLetter {
+            stream: who.stream.as_str(),
+            group: who.group.as_str(),
+            member: who.member.as_str(),
+            subject: &held.subject,
+            key: held.key.as_deref(),
+            partition: held.partition,
+            stream_seq: held.origin_seq,
+            attempts: held.attempt,
+            reason,
+            headers: held.message.headers.as_ref(),
+            payload: held.message.payload.clone(),
+        },
+    )
+    .await?;
+    held.message.ack_with(AckKind::Term).await.map_err(|e| anyhow::anyhow!("terminating: {e}"))?;
+    let mut out = Vec::new();
+    for t in [EventType::MessageTerminated, EventType::MessageDeadLettered] {
+        let mut e = who.event(ctx, t);
+        e.partition = Some(held.partition);
+        e.seq = Some(held.origin_seq);
+        e.attempt = Some(held.attempt);
+        e.reason = Some(reason.to_owned());
+        out.push(e);
+    }
+    Ok(out)
+}
