@@ -88,7 +88,8 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
         hold_cap: state.settings.hold_cap,
         shutdown_grace: state.settings.delivery_grace,
     });
-    let members_token = CancellationToken::new();
+    // Members wind down as soon as shutdown starts, beside the HTTP drain.
+    let members_token = shutdown.child_token();
     let members = tokio::spawn(crate::member::supervisor::supervise(instances, members_token.clone()));
     let app = crate::http::router(state);
     tracing::info!(address = %listener.local_addr()?, "keygate listening");

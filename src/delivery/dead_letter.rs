@@ -32,7 +32,7 @@ pub async fn record(js: &jetstream::Context, letter: DeadLetter<'_>) -> anyhow::
     let mut headers = HeaderMap::new();
     if let Some(original) = letter.headers {
         for (name, values) in original.iter() {
-            if AsRef::<str>::as_ref(name).starts_with("Nats-") {
+            if AsRef::<str>::as_ref(name).to_ascii_lowercase().starts_with("nats-") {
                 continue;
             }
             for value in values {

@@ -4,7 +4,7 @@
 //! webhook is registered and again on every connection (a DNS answer can
 //! change after registration).
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 
 /// Which destinations webhooks may reach.
@@ -36,12 +36,22 @@ pub fn classify(ip: IpAddr) -> AddressClass {
             if let Some(v4) = v6.to_ipv4_mapped() {
                 return classify_v4(v4);
             }
-            let first = v6.segments()[0];
+            let seg = v6.segments();
+            let embedded_v4 = |hi: u16, lo: u16| Ipv4Addr::new((hi >> 8) as u8, hi as u8, (lo >> 8) as u8, lo as u8);
             if v6.is_loopback() {
                 AddressClass::Loopback
-            } else if v6.is_unspecified() || v6.is_multicast() || first == 0x2001 && v6.segments()[1] == 0x0db8 {
+            } else if v6.is_unspecified() || v6.is_multicast() || seg[0] == 0x2001 && seg[1] == 0x0db8 {
                 AddressClass::Unusable
-            } else if first & 0xfe00 == 0xfc00 || first & 0xffc0 == 0xfe80 {
+            } else if seg[..6] == [0, 0, 0, 0, 0, 0] {
+                // IPv4-compatible ::a.b.c.d
+                classify_v4(embedded_v4(seg[6], seg[7]))
+            } else if seg[0] == 0x0064 && seg[1] == 0xff9b {
+                // NAT64 64:ff9b::/96 (and the local-use /48) reach the embedded IPv4 address.
+                classify_v4(embedded_v4(seg[6], seg[7]))
+            } else if seg[0] == 0x2002 {
+                // 6to4 2002:a.b.c.d::/48
+                classify_v4(embedded_v4(seg[1], seg[2]))
+            } else if seg[0] & 0xfe00 == 0xfc00 || seg[0] & 0xffc0 == 0xfe80 || seg[0] & 0xffc0 == 0xfec0 {
                 AddressClass::Private
             } else {
                 AddressClass::Public
@@ -51,15 +61,22 @@ pub fn classify(ip: IpAddr) -> AddressClass {
 }
 
 fn classify_v4(ip: Ipv4Addr) -> AddressClass {
-    let [a, b, ..] = ip.octets();
+    let [a, b, c, _] = ip.octets();
     if ip.is_loopback() {
         AddressClass::Loopback
-    } else if ip.is_unspecified() || ip.is_broadcast() || ip.is_multicast() || ip.is_documentation() || a == 0 {
+    } else if ip.is_unspecified()
+        || ip.is_broadcast()
+        || ip.is_multicast()
+        || ip.is_documentation()
+        || a == 0
+        || a >= 240
+    {
         AddressClass::Unusable
     } else if ip.is_private()
         || ip.is_link_local()
         || (a == 100 && (64..128).contains(&b))
         || (a == 198 && (b == 18 || b == 19))
+        || (a == 192 && b == 0 && c == 0)
     {
         AddressClass::Private
     } else {
@@ -150,12 +167,10 @@ impl reqwest::dns::Resolve for PolicyResolver {
     }
 }
 
-/// The unspecified IPv6 address, for tests.
-pub const UNSPECIFIED_V6: Ipv6Addr = Ipv6Addr::UNSPECIFIED;
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::net::Ipv6Addr;
 
     #[test]
     fn addresses_are_classified() {
@@ -174,7 +189,14 @@ mod tests {
         assert_eq!(c("2606:4700::1111"), AddressClass::Public);
         assert_eq!(c("0.0.0.0"), AddressClass::Unusable);
         assert_eq!(c("224.0.0.1"), AddressClass::Unusable);
-        assert_eq!(classify(IpAddr::V6(UNSPECIFIED_V6)), AddressClass::Unusable);
+        assert_eq!(classify(IpAddr::V6(Ipv6Addr::UNSPECIFIED)), AddressClass::Unusable);
+        assert_eq!(c("64:ff9b::a9fe:a9fe"), AddressClass::Private, "NAT64 of 169.254.169.254");
+        assert_eq!(c("2002:a00:1::1"), AddressClass::Private, "6to4 of 10.0.0.1");
+        assert_eq!(c("::10.0.0.1"), AddressClass::Private, "IPv4-compatible");
+        assert_eq!(c("::127.0.0.1"), AddressClass::Loopback);
+        assert_eq!(c("fec0::1"), AddressClass::Private, "site-local");
+        assert_eq!(c("192.0.0.192"), AddressClass::Private);
+        assert_eq!(c("240.0.0.1"), AddressClass::Unusable);
     }
 
     #[tokio::test]

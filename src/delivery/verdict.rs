@@ -62,6 +62,10 @@ pub fn judge(response: &Response<'_>, now: SystemTime, max_retry_after: Duration
     };
     if let Some(header) = keygate_ack {
         if let Some(verdict) = parse_keygate_ack(header) {
+            let verdict = match verdict {
+                Verdict::Nak { delay } => Verdict::Nak { delay: delay.map(|d| d.min(max_retry_after)) },
+                other => other,
+            };
             return judgement(verdict, format!("keygate-ack: {header} (status {status})"));
         }
     }
@@ -116,7 +120,10 @@ pub fn parse_duration(text: &str) -> Option<Duration> {
         "h" => value * 3600.0,
         _ => return None,
     };
-    (seconds.is_finite() && seconds >= 0.0).then(|| Duration::from_secs_f64(seconds))
+    if !seconds.is_finite() || seconds < 0.0 {
+        return None;
+    }
+    Some(Duration::try_from_secs_f64(seconds).unwrap_or(Duration::MAX))
 }
 
 /// `Retry-After`: delay-seconds or an HTTP date.
@@ -229,5 +236,17 @@ mod tests {
         assert_eq!(parse_duration("3"), Some(Duration::from_secs(3)));
         assert_eq!(parse_duration("x"), None);
         assert_eq!(parse_duration("5 parsecs"), None);
+        assert_eq!(parse_duration("99999999999999999999"), Some(Duration::MAX), "huge delays do not panic");
+        let j = judge(
+            &Response::Http {
+                status: 200,
+                retry_after: None,
+                keygate_ack: Some("nak; delay=99999999999999999999"),
+                body: b"",
+            },
+            SystemTime::now(),
+            CAP,
+        );
+        assert_eq!(j.verdict, Verdict::Nak { delay: Some(CAP) }, "keygate-ack delays are capped too");
     }
 }

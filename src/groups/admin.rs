@@ -383,6 +383,15 @@ impl GroupAdmin {
     ) -> Result<(), ApiError> {
         let stored = self.load(stream, group, kind).await?;
         let key = config_key(stream.as_str(), group.as_str());
+        // The configuration goes first: member instances (keygate's and Go's)
+        // stop on its deletion instead of recreating what is deleted next.
+        let bucket_name = match stored.config.kind() {
+            GroupKind::Static => STATIC_BUCKET,
+            GroupKind::Elastic => ELASTIC_BUCKET,
+        };
+        if let Some(store) = self.bucket(bucket_name).await? {
+            store.delete(&key).await.map_err(|e| unavailable_or_internal("deleting group", e))?;
+        }
         match &stored.config {
             GroupConfig::Static(_) => {
                 // Only this group's members' consumers: pcgroups deletes every
@@ -403,14 +412,6 @@ impl GroupAdmin {
                     Err(e) => return Err(unavailable_or_internal("deleting the group's work-queue stream", e)),
                 }
             }
-        }
-        // The configuration goes last, so a delete that fails half-way can be retried.
-        let bucket_name = match stored.config.kind() {
-            GroupKind::Static => STATIC_BUCKET,
-            GroupKind::Elastic => ELASTIC_BUCKET,
-        };
-        if let Some(store) = self.bucket(bucket_name).await? {
-            store.delete(&key).await.map_err(|e| unavailable_or_internal("deleting group", e))?;
         }
         if let Some(settings) = self.bucket(SETTINGS_BUCKET).await? {
             let _ = settings.purge(&key).await;

@@ -42,6 +42,28 @@ pub struct Outcome {
 
 /// The origin stream and sequence of a message: an elastic group's
 /// work-queue copy names its source in `Nats-Stream-Source`.
+/// Whether a message header may go to the endpoint: not NATS's own, not
+/// keygate's or the signature's, not one that frames the HTTP request.
+fn forwardable(name: &str) -> bool {
+    let lower = name.to_ascii_lowercase();
+    const FRAMING: [&str; 9] = [
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "te",
+        "upgrade",
+        "trailer",
+        "keep-alive",
+        "proxy-connection",
+    ];
+    !(lower.starts_with("nats-")
+        || lower.starts_with("keygate-")
+        || lower.starts_with("webhook-")
+        || lower.starts_with("proxy-")
+        || FRAMING.contains(&lower.as_str()))
+}
+
 pub fn origin_of(message: &jetstream::Message, stream: &str, seq: u64) -> (String, u64) {
     let source = message.headers.as_ref().and_then(|h| h.get("Nats-Stream-Source")).map(|v| v.to_string());
     if let Some(source) = source {
@@ -60,7 +82,7 @@ fn outbound(who: &MemberRef, held: &Delivered, fencing: u64) -> Outbound {
     if let Some(original) = &held.message.headers {
         for (name, values) in original.iter() {
             let name: &str = name.as_ref();
-            if name.starts_with("Nats-") || name.to_ascii_lowercase().starts_with("keygate-") {
+            if !forwardable(name) {
                 continue;
             }
             for value in values {
@@ -223,4 +245,27 @@ pub async fn dead_letter_and_term(
         out.push(e);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn only_the_messages_own_headers_are_forwarded() {
+        for kept in ["X-Trace", "content-type", "Authorization-Context", "traceparent"] {
+            assert!(super::forwardable(kept), "{kept}");
+        }
+        for dropped in [
+            "nats-msg-id",
+            "Nats-Pin-Id",
+            "Host",
+            "content-length",
+            "Transfer-Encoding",
+            "webhook-signature",
+            "KEYGATE-key",
+            "Connection",
+            "proxy-authorization",
+        ] {
+            assert!(!super::forwardable(dropped), "{dropped}");
+        }
+    }
 }

@@ -15,14 +15,14 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, AckKind};
 use bytes::Bytes;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use tokio::sync::Notify;
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 
 use super::consumer::{join, pull_expiry, JoinError};
 use super::control::{BlockedPartition, Control, ControlReply};
-use super::deliver::{dead_letter_and_term, deliver, origin_of, Delivered, Held};
+use super::deliver::{dead_letter_and_term, deliver, origin_of, Delivered, Held, Outcome};
 use super::fencing::next_token;
 use super::lanes::{Blocked, Lanes, Offered, Settled};
 use super::pull::{classify, next_subject, PullRequest, Reply};
@@ -185,7 +185,12 @@ pub async fn serve_webhook(
                 deregister(&ctx, &who, &registration).await;
                 return;
             }
-            SessionEnd::ConsumerGone => {}
+            SessionEnd::ConsumerGone => {
+                // Deleted with its group, or by an operator: look again, not at once.
+                if sleep_or_cancel(&cancel, Duration::from_secs(1)).await {
+                    return;
+                }
+            }
             SessionEnd::Rejoin { pinned } => {
                 // pcgroups' rebalance: the pinned instance deletes the
                 // consumer; the others give it a moment first.
@@ -297,6 +302,8 @@ struct Outstanding {
     reply: String,
     remaining: usize,
     deadline: Instant,
+    /// The pin id the pull carried.
+    pin: Option<String>,
 }
 
 /// Lane state shared by the session and the lane tasks. Never held across
@@ -335,15 +342,27 @@ async fn run_lane(shared: LaneShared, partition: u32, first: (u64, Held)) {
     let mut next = Some(first);
     while let Some((seq, held)) = next {
         let fencing = shared.fencing.load(Ordering::Relaxed);
-        let outcome = deliver(
+        let delivery = deliver(
             shared.ctx.clone(),
             shared.who.clone(),
             shared.registration.clone(),
             shared.key.clone(),
-            held,
+            held.clone(),
             fencing,
-        )
-        .await;
+        );
+        // A panic must not leave the partition marked in flight for ever.
+        let outcome = match std::panic::AssertUnwindSafe(delivery).catch_unwind().await {
+            Ok(outcome) => outcome,
+            Err(_) => {
+                tracing::error!(partition, seq, "delivery panicked; the message will be retried");
+                let _ = held.message.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
+                Outcome {
+                    settled: Settled::Naked { attempts: held.attempt, error: "keygate failed while delivering".into() },
+                    events: Vec::new(),
+                    gone: false,
+                }
+            }
+        };
         for e in outcome.events {
             shared.ctx.events.emit(e);
         }
@@ -392,11 +411,15 @@ struct Session {
     pin: Option<String>,
     standby: bool,
     last_message: Instant,
+    /// When the server last answered anything (messages, timeouts).
+    last_reply: Instant,
+    /// The fencing token could not be raised yet: the barrier stays up.
+    token_pending: bool,
     inbox: String,
     pulls: u64,
     /// Open pulls, oldest first.
     outstanding: VecDeque<Outstanding>,
-    lane_tasks: TaskTracker,
+    lane_tasks: JoinSet<()>,
 }
 
 impl Session {
@@ -436,10 +459,12 @@ impl Session {
             pin: None,
             standby: false,
             last_message: Instant::now(),
+            last_reply: Instant::now(),
+            token_pending: false,
             inbox,
             pulls: 0,
             outstanding: VecDeque::new(),
-            lane_tasks: TaskTracker::new(),
+            lane_tasks: JoinSet::new(),
         })
     }
 
@@ -557,11 +582,12 @@ impl Session {
                 return;
             }
             let deadline = Instant::now() + expires + Duration::from_millis(500);
-            self.outstanding.push_back(Outstanding { reply, remaining: room, deadline });
+            self.outstanding.push_back(Outstanding { reply, remaining: room, deadline, pin: self.pin.clone() });
         }
     }
 
     async fn on_reply(&mut self, reply: async_nats::Message) -> Option<SessionEnd> {
+        self.last_reply = Instant::now();
         let subject = reply.subject.to_string();
         let finish = |outstanding: &mut VecDeque<Outstanding>| outstanding.retain(|o| o.reply != subject);
         match classify(reply.status, reply.description.as_deref(), reply.headers.as_ref()) {
@@ -583,9 +609,15 @@ impl Session {
             }
             Reply::Done => finish(&mut self.outstanding),
             Reply::PinRejected { description } => {
-                self.outstanding.clear();
-                if self.pin.is_some() {
-                    self.lose_pin(&description);
+                // Only a rejection of a pull that carried the current pin means
+                // the pin is gone; a late one for an older id does not.
+                let carried = self.outstanding.iter().find(|o| o.reply == subject).map(|o| o.pin.clone());
+                finish(&mut self.outstanding);
+                if let Some(Some(pin)) = carried {
+                    if self.pin.as_deref() == Some(pin.as_str()) {
+                        self.outstanding.clear();
+                        self.lose_pin(&description);
+                    }
                 }
             }
             Reply::ConsumerDeleted => return Some(SessionEnd::ConsumerGone),
@@ -605,34 +637,48 @@ impl Session {
     async fn gain_pin(&mut self, pin: String) {
         self.pin = Some(pin.clone());
         self.standby = false;
-        let who = self.who().clone();
-        let key = registration_key(who.stream.as_str(), who.group.as_str(), who.member.as_str());
-        let token = match next_token(&self.ctx().js, &key).await {
-            Ok(token) => token,
-            Err(e) => {
-                tracing::warn!(error = %e, "raising the fencing token failed");
-                self.shared.fencing.load(Ordering::Relaxed) + 1
-            }
-        };
-        self.shared.fencing.store(token, Ordering::Relaxed);
+        self.last_reply = Instant::now();
         // Handover barrier: nothing goes out until every ack-pending message
-        // of the consumer is ours.
-        self.shared.lock().lanes.set_barrier(true);
-        self.shared.pinned.store(true, Ordering::Relaxed);
-        let mut e = who.event(self.ctx(), EventType::MemberPinned);
+        // of the consumer is ours (and the fencing token is raised).
+        {
+            let mut state = self.shared.lock();
+            state.lanes.set_barrier(true);
+            self.shared.pinned.store(true, Ordering::Relaxed);
+        }
+        self.token_pending = !self.raise_fencing_token().await;
+        let mut e = self.who().event(self.ctx(), EventType::MemberPinned);
         e.pin_id = Some(pin);
-        e.fencing_token = Some(token);
-        e.partitions = Some(owned_partitions(&self.config, who.member.as_str()));
+        e.fencing_token = (!self.token_pending).then(|| self.shared.fencing.load(Ordering::Relaxed));
+        e.partitions = Some(owned_partitions(&self.config, self.who().member.as_str()));
         self.ctx().events.emit(e);
+    }
+
+    /// Raises the member's fencing token in KV; false when it could not
+    /// (then nothing is delivered until it can: a guessed token could be
+    /// lower than the previous holder's).
+    async fn raise_fencing_token(&mut self) -> bool {
+        let who = self.who();
+        let key = registration_key(who.stream.as_str(), who.group.as_str(), who.member.as_str());
+        match next_token(&self.ctx().js, &key).await {
+            Ok(token) => {
+                self.shared.fencing.store(token, Ordering::Relaxed);
+                true
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "raising the fencing token failed; holding deliveries");
+                false
+            }
+        }
     }
 
     fn lose_pin(&mut self, why: &str) {
         self.pin = None;
-        self.shared.pinned.store(false, Ordering::Relaxed);
-        // What we held is no longer ours: the new holder gets it after ack wait.
+        // Held and NAK'd messages now belong to the next holder; deliveries
+        // in flight finish (and stay kept alive) so its barrier waits for them.
         {
             let mut state = self.shared.lock();
-            state.lanes.clear();
+            self.shared.pinned.store(false, Ordering::Relaxed);
+            state.lanes.release_held();
             state.blocked_reported.clear();
         }
         let mut e = self.who().event(self.ctx(), EventType::MemberUnpinned);
@@ -675,6 +721,14 @@ impl Session {
         for (partition, seq, held) in ready {
             self.lane_tasks.spawn(run_lane(self.shared.clone(), partition, (seq, held)));
         }
+        // Reap finished lane tasks.
+        while let Some(done) = self.lane_tasks.try_join_next() {
+            if let Err(e) = done {
+                if e.is_panic() {
+                    tracing::error!(error = %e, "a lane task panicked");
+                }
+            }
+        }
     }
 
     /// Keeps held and in-flight messages from timing out (ack wait).
@@ -689,6 +743,24 @@ impl Session {
     }
 
     async fn check_pin(&mut self) {
+        if self.pin.is_some() {
+            // Cut off from the server, this instance cannot see the pin move:
+            // it stops on its own before the server re-pins another.
+            let ttl = super::consumer::pinned_ttl(self.ack_wait);
+            let silence = (ttl.saturating_sub(Duration::from_millis(250)))
+                .max(pull_expiry(self.ack_wait) + Duration::from_millis(250));
+            if self.last_reply.elapsed() > silence {
+                self.outstanding.clear();
+                self.lose_pin("no word from the server within the pin's TTL");
+                return;
+            }
+        }
+        if self.token_pending && self.pin.is_some() {
+            self.token_pending = !self.raise_fencing_token().await;
+            if self.token_pending {
+                return;
+            }
+        }
         let (barrier, ours) = {
             let state = self.shared.lock();
             (state.lanes.barrier(), state.lanes.holding() + state.lanes.awaiting())
@@ -702,7 +774,7 @@ impl Session {
         let Ok(handle) = self.ctx().js.get_stream_no_info(&self.stream_name).await else { return };
         let Ok(info) = handle.consumer_info(&self.consumer).await else { return };
         if barrier {
-            if info.num_ack_pending <= ours {
+            if info.num_ack_pending <= ours && !self.token_pending {
                 self.shared.lock().lanes.set_barrier(false);
             }
             return;
@@ -801,21 +873,30 @@ impl Session {
     }
 
     /// Stop pulling and dispatching; let deliveries in flight finish within
-    /// the grace, NAK the rest; held messages time out to their next holder.
+    /// the grace, then cut them off and NAK them; step down so a standby
+    /// takes over at once.
     async fn wind_down(&mut self, end: &SessionEnd) {
-        self.shared.pinned.store(false, Ordering::Relaxed);
-        let grace = match end {
-            SessionEnd::Shutdown | SessionEnd::Rejoin { .. } => self.ctx().shutdown_grace,
-            _ => Duration::ZERO,
-        };
-        self.lane_tasks.close();
-        if tokio::time::timeout(grace, self.lane_tasks.wait()).await.is_err() {
+        {
+            let _state = self.shared.lock();
+            self.shared.pinned.store(false, Ordering::Relaxed);
+        }
+        let grace = self.ctx().shutdown_grace;
+        let finished =
+            tokio::time::timeout(grace, async { while self.lane_tasks.join_next().await.is_some() {} }).await;
+        if finished.is_err() {
+            self.lane_tasks.abort_all();
+            while self.lane_tasks.join_next().await.is_some() {}
             let in_flight: Vec<Held> = self.shared.lock().lanes.in_flight_messages().cloned().collect();
             for held in in_flight {
                 let _ = held.message.ack_with(AckKind::Nak(None)).await;
             }
         }
         if self.pin.is_some() {
+            if matches!(end, SessionEnd::Shutdown | SessionEnd::Gone) {
+                if let Ok(handle) = self.ctx().js.get_stream_no_info(&self.stream_name).await {
+                    let _ = handle.unpin_consumer(&self.consumer, crate::groups::config::PRIORITY_GROUP).await;
+                }
+            }
             let mut e = self.who().event(self.ctx(), EventType::MemberUnpinned);
             e.reason = Some(
                 match end {
@@ -828,7 +909,7 @@ impl Session {
             );
             self.ctx().events.emit(e);
         }
-        let _ = self.ctx().nats.flush().await;
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.ctx().nats.flush()).await;
     }
 }
 

@@ -212,11 +212,24 @@ impl<M: Clone> Lanes<M> {
         self.lanes.values().flat_map(|l| l.held.values())
     }
 
-    /// Forgets everything (the pin was lost or the consumer replaced): the
-    /// held messages are returned so the caller can let them go.
+    /// Forgets everything (the consumer was replaced): the held messages
+    /// are returned so the caller can let them go.
     pub fn clear(&mut self) -> Vec<M> {
         let lanes = std::mem::take(&mut self.lanes);
         lanes.into_values().flat_map(|l| l.held.into_values()).collect()
+    }
+
+    /// The pin was lost: held and NAK'd messages now belong to the next
+    /// holder, but messages in flight stay tracked (and kept alive) until
+    /// their delivery ends, so the next holder's barrier waits for them.
+    pub fn release_held(&mut self) -> Vec<M> {
+        let mut released = Vec::new();
+        for lane in self.lanes.values_mut() {
+            released.extend(std::mem::take(&mut lane.held).into_values());
+            lane.awaiting.clear();
+            lane.blocked = None;
+        }
+        released
     }
 
     /// Partitions with anything held, in flight or awaited.
@@ -329,6 +342,21 @@ mod tests {
         assert_eq!(lanes.offer(3, 1, 1), Offered::AlreadySettled, "a lost ack's redelivery is not delivered again");
         lanes.offer(3, 2, 2);
         assert_eq!(lanes.clear(), vec![2]);
+    }
+
+    #[test]
+    fn losing_the_pin_keeps_in_flight_messages_tracked() {
+        let mut lanes = Lanes::default();
+        lanes.offer(0, 1, 1);
+        lanes.offer(0, 2, 2);
+        lanes.offer(1, 3, 3);
+        lanes.dispatch();
+        lanes.settle(1, 3, naked());
+        assert_eq!(lanes.release_held(), vec![2]);
+        assert_eq!(lanes.in_flight_messages().copied().collect::<Vec<_>>(), vec![1]);
+        assert_eq!(lanes.holding(), 1);
+        assert_eq!(lanes.awaiting(), 0);
+        assert!(lanes.blocked().is_empty());
     }
 
     #[test]

@@ -17,6 +17,8 @@ use crate::names::{GroupName, MemberName, StreamName};
 struct Running {
     registration: Registration,
     cancel: CancellationToken,
+    /// Done when the instance has wound down.
+    done: tokio::sync::watch::Receiver<bool>,
 }
 
 fn member_of(key: &str) -> Option<MemberRef> {
@@ -74,13 +76,24 @@ pub async fn supervise(ctx: Arc<InstanceContext>, shutdown: CancellationToken) {
             match (registration, running.get(&entry.key)) {
                 (Some(reg), Some(current)) if current.registration == reg => {}
                 (Some(reg), _) => {
-                    if let Some(old) = running.remove(&entry.key) {
+                    // A changed registration: the old instance winds down first,
+                    // so two of this process never deliver one member at once.
+                    let previous = running.remove(&entry.key).map(|old| {
                         old.cancel.cancel();
-                    }
+                        old.done
+                    });
                     let cancel = shutdown.child_token();
+                    let (finished, done) = tokio::sync::watch::channel(false);
                     tracing::info!(stream = %who.stream, group = %who.group, member = %who.member, url = %reg.url, "serving webhook member");
-                    tracker.spawn(serve_webhook(ctx.clone(), who, reg.clone(), cancel.clone()));
-                    running.insert(entry.key.clone(), Running { registration: reg, cancel });
+                    let (ctx, registration, token) = (ctx.clone(), reg.clone(), cancel.clone());
+                    tracker.spawn(async move {
+                        if let Some(mut previous) = previous {
+                            let _ = previous.wait_for(|done| *done).await;
+                        }
+                        serve_webhook(ctx, who, registration, token).await;
+                        let _ = finished.send(true);
+                    });
+                    running.insert(entry.key.clone(), Running { registration: reg, cancel, done });
                 }
                 (None, _) => {
                     if let Some(old) = running.remove(&entry.key) {
