@@ -63,7 +63,10 @@ pub fn member_config(config: &GroupConfig, group: &str, member: &str, ack_wait: 
 
 /// Creates the member's consumer (or finds the identical one another
 /// instance created). Elastic: an existing consumer with another
-/// configuration is deleted and created again, as pcgroups does.
+/// configuration belongs to the member's previous assignment; pcgroups
+/// deletes it at once, keygate first gives its pinned instance (which may
+/// still be finishing deliveries, and deletes it itself) up to ack wait +
+/// 500 ms, then deletes it.
 pub async fn join(
     js: &jetstream::Context,
     config: &GroupConfig,
@@ -78,22 +81,42 @@ pub async fn join(
     }
     let (stream_name, consumer_name) = consumer_of(config, stream, group, member);
     let handle = js.get_stream_no_info(&stream_name).await.map_err(|e| JoinError::Other(e.to_string()))?;
-    for _ in 0..3 {
-        match handle.create_consumer_strict(wanted.clone()).await {
+    let patience = tokio::time::Instant::now() + ack_wait + Duration::from_millis(500);
+    let mut deletes = 0;
+    loop {
+        let error = match handle.create_consumer_strict(wanted.clone()).await {
             Ok(_) => return Ok((stream_name, consumer_name)),
-            Err(e) => match jetstream_error_code(&e) {
-                Some(FILTER_OVERLAP) => return Err(JoinError::Overlap),
-                Some(CONSUMER_EXISTS) if config.kind() == GroupKind::Elastic => {
-                    let _ = handle.delete_consumer(&consumer_name).await;
+            Err(e) => e,
+        };
+        let exists = jetstream_error_code(&error) == Some(CONSUMER_EXISTS)
+            || error.kind() == jetstream::stream::ConsumerCreateStrictErrorKind::AlreadyExists;
+        match jetstream_error_code(&error) {
+            Some(FILTER_OVERLAP) => return Err(JoinError::Overlap),
+            _ if exists && config.kind() == GroupKind::Elastic => {
+                if tokio::time::Instant::now() < patience {
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                    continue;
                 }
-                _ if e.kind() == jetstream::stream::ConsumerCreateStrictErrorKind::AlreadyExists
-                    && config.kind() == GroupKind::Elastic =>
-                {
-                    let _ = handle.delete_consumer(&consumer_name).await;
+                if deletes == 3 {
+                    return Err(JoinError::Other("the consumer kept changing while joining".into()));
                 }
-                _ => return Err(JoinError::Other(e.to_string())),
-            },
+                deletes += 1;
+                let _ = handle.delete_consumer(&consumer_name).await;
+            }
+            _ => return Err(JoinError::Other(error.to_string())),
         }
     }
-    Err(JoinError::Other("the consumer kept changing while joining".into()))
+}
+
+/// Deletes the member's consumer if it still has `filters` (the pinned
+/// instance's part of a rebalance): a consumer another instance already
+/// recreated with the new filters is left alone.
+pub async fn delete_if_unchanged(js: &jetstream::Context, stream: &str, consumer: &str, filters: &[String]) {
+    let Ok(handle) = js.get_stream_no_info(stream).await else { return };
+    match handle.consumer_info(consumer).await {
+        Ok(info) if info.config.filter_subjects == filters => {
+            let _ = handle.delete_consumer(consumer).await;
+        }
+        _ => {}
+    }
 }

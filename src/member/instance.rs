@@ -161,6 +161,7 @@ pub async fn serve_webhook(
                 continue;
             }
         };
+        let old_filters = filter_subjects_of(&group.config, who.member.as_str());
         let session = Session::new(
             ctx.clone(),
             who.clone(),
@@ -193,9 +194,10 @@ pub async fn serve_webhook(
             }
             SessionEnd::Rejoin { pinned } => {
                 // pcgroups' rebalance: the pinned instance deletes the
-                // consumer; the others give it a moment first.
+                // consumer (once its deliveries are done); the others give it
+                // a moment first.
                 if pinned && group_kind_is_elastic(&stream_name, &who) {
-                    let _ = ctx.js.delete_consumer_from_stream(&consumer, &stream_name).await;
+                    super::consumer::delete_if_unchanged(&ctx.js, &stream_name, &consumer, &old_filters).await;
                 } else if sleep_or_cancel(&cancel, Duration::from_millis(rand::random_range(400..500))).await {
                     return;
                 }
@@ -311,6 +313,9 @@ struct Outstanding {
 struct LaneState {
     lanes: Lanes<Held>,
     blocked_reported: BTreeSet<u32>,
+    /// Partitions whose head an operator skipped while it was being
+    /// delivered: it is dead-lettered when that attempt fails.
+    skip_requested: BTreeSet<u32>,
 }
 
 /// What lane tasks need.
@@ -363,6 +368,17 @@ async fn run_lane(shared: LaneShared, partition: u32, first: (u64, Held)) {
                 }
             }
         };
+        let mut outcome = outcome;
+        let skip = matches!(outcome.settled, Settled::Naked { .. }) && shared.lock().skip_requested.remove(&partition);
+        if skip {
+            match dead_letter_and_term(&shared.ctx, &shared.who, &held, "skipped by an operator").await {
+                Ok(mut events) => {
+                    outcome.events.append(&mut events);
+                    outcome.settled = Settled::Done;
+                }
+                Err(e) => tracing::warn!(error = %e, partition, seq, "could not dead-letter a skipped message"),
+            }
+        }
         for e in outcome.events {
             shared.ctx.events.emit(e);
         }
@@ -442,7 +458,11 @@ impl Session {
             who,
             registration: Arc::new(registration),
             key: Arc::new(key),
-            state: Arc::new(Mutex::new(LaneState { lanes: Lanes::default(), blocked_reported: BTreeSet::new() })),
+            state: Arc::new(Mutex::new(LaneState {
+                lanes: Lanes::default(),
+                blocked_reported: BTreeSet::new(),
+                skip_requested: BTreeSet::new(),
+            })),
             pinned: Arc::default(),
             fencing: Arc::default(),
             gone: Arc::default(),
@@ -731,14 +751,38 @@ impl Session {
         }
     }
 
-    /// Keeps held and in-flight messages from timing out (ack wait).
+    /// Keeps held and in-flight messages from timing out (ack wait), and
+    /// stops waiting for NAK'd heads that will never come back (removed by
+    /// the stream's limits or a purge).
     async fn progress(&mut self) {
-        let messages: Vec<Held> = {
+        let (messages, awaited): (Vec<Held>, Vec<(u32, u64)>) = {
             let state = self.shared.lock();
-            state.lanes.held_messages().chain(state.lanes.in_flight_messages()).cloned().collect()
+            let held = state.lanes.held_messages().chain(state.lanes.in_flight_messages()).cloned().collect();
+            (held, state.lanes.awaited_heads())
         };
         for held in messages {
             let _ = held.message.ack_with(AckKind::Progress).await;
+        }
+        if awaited.is_empty() || self.pin.is_none() {
+            return;
+        }
+        let Ok(handle) = self.ctx().js.get_stream_no_info(&self.stream_name).await else { return };
+        for (partition, seq) in awaited {
+            let gone = matches!(handle.get_raw_message(seq).await, Err(e) if crate::nats::errors::is_not_found(&e)
+                || e.to_string().to_ascii_lowercase().contains("no message"));
+            if !gone {
+                continue;
+            }
+            {
+                let mut state = self.shared.lock();
+                state.lanes.skip(partition, seq);
+                state.blocked_reported.remove(&partition);
+            }
+            let mut e = self.who().event(self.ctx(), EventType::PartitionUnblocked);
+            e.partition = Some(partition);
+            e.seq = Some(seq);
+            e.reason = Some("the awaited message is no longer in the stream (limits or purge)".into());
+            self.ctx().events.emit(e);
         }
     }
 
@@ -849,8 +893,15 @@ impl Session {
                     }
                 }
                 None => {
-                    answer.ok = false;
-                    answer.error = Some(format!("partition {partition} is not blocked"));
+                    let mut state = self.shared.lock();
+                    if state.lanes.blocked().contains_key(&partition) {
+                        // The head is being retried right now: it is
+                        // dead-lettered as soon as this attempt fails.
+                        state.skip_requested.insert(partition);
+                    } else {
+                        answer.ok = false;
+                        answer.error = Some(format!("partition {partition} is not blocked"));
+                    }
                 }
             },
             Control::RetryNow { partition } => match head(partition) {

@@ -249,6 +249,11 @@ impl<M: Clone> Lanes<M> {
         lane.awaiting.get(&seq).map(|m| (seq, m.clone()))
     }
 
+    /// The lowest NAK'd sequence each partition waits for.
+    pub fn awaited_heads(&self) -> Vec<(u32, u64)> {
+        self.lanes.iter().filter_map(|(p, l)| l.awaiting.keys().next().map(|s| (*p, *s))).collect()
+    }
+
     /// Stops waiting for a blocked head (it was terminated): the partition
     /// proceeds with what follows.
     pub fn skip(&mut self, partition: u32, seq: u64) {

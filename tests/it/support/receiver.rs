@@ -142,6 +142,15 @@ async fn handle(
         log.push(recorded);
         log.len() - 1
     };
+    // If the caller goes away first, the request ends then (status 0).
+    struct Ended(Arc<Mutex<Vec<Recorded>>>, usize);
+    impl Drop for Ended {
+        fn drop(&mut self) {
+            let mut log = self.0.lock().unwrap();
+            log[self.1].answered.get_or_insert_with(Instant::now);
+        }
+    }
+    let _ended = Ended(log.clone(), index);
     if !answer.delay.is_zero() {
         tokio::time::sleep(answer.delay).await;
     }
@@ -162,8 +171,34 @@ async fn handle(
 
 /// DESIGN.md Guarantee 1, checked on what a receiver saw: when a message
 /// arrives, every earlier message of its key was already answered 2xx
-/// before it (or dead-lettered: `skipped`).
+/// before it (or dead-lettered: `skipped`), and no other request of its key
+/// is still open.
 pub fn assert_key_order(requests: &[Recorded], published: &HashMap<String, Vec<u64>>, skipped: &[u64]) {
+    assert_key_order_except(requests, published, skipped, &[]);
+}
+
+/// As [`assert_key_order`]; requests of `timing_out` keys may overlap (a
+/// caller that times out stops waiting while the endpoint keeps working).
+pub fn assert_key_order_except(
+    requests: &[Recorded],
+    published: &HashMap<String, Vec<u64>>,
+    skipped: &[u64],
+    timing_out: &[String],
+) {
+    for (i, r) in requests.iter().enumerate() {
+        if !timing_out.contains(&r.key()) {
+            for earlier in &requests[..i] {
+                let open = earlier.answered.is_none_or(|t| t > r.at);
+                assert!(
+                    !(earlier.key() == r.key() && open),
+                    "key {}: seq {} arrived while seq {} was still being delivered",
+                    r.key(),
+                    r.seq(),
+                    earlier.seq()
+                );
+            }
+        }
+    }
     for r in requests {
         let key = r.key();
         let seq = r.seq();
