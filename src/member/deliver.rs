@@ -146,23 +146,7 @@ pub async fn deliver(
         }
         Verdict::Nak { .. } | Verdict::Progress if held.attempt >= registration.max_attempts => {
             let reason = format!("gave up after {} attempts: {}", held.attempt, judgement.reason);
-            match dead_letter_and_term(&ctx, &who, &held, &reason).await {
-                Ok(mut e) => {
-                    events.append(&mut e);
-                    Settled::Done
-                }
-                Err(err) => {
-                    nak(
-                        &held,
-                        retry(None),
-                        &judgement.reason,
-                        &err.to_string(),
-                        &mut events,
-                        event(EventType::MessageNaked),
-                    )
-                    .await
-                }
-            }
+            terminate(&ctx, &who, &held, &reason, retry(None), &mut events, event(EventType::MessageNaked)).await
         }
         Verdict::Nak { delay } => {
             nak(&held, retry(delay), &judgement.reason, "", &mut events, event(EventType::MessageNaked)).await
@@ -170,25 +154,32 @@ pub async fn deliver(
         Verdict::Progress => {
             nak(&held, retry(None), &judgement.reason, "", &mut events, event(EventType::MessageNaked)).await
         }
-        Verdict::Term => match dead_letter_and_term(&ctx, &who, &held, &judgement.reason).await {
-            Ok(mut e) => {
-                events.append(&mut e);
-                Settled::Done
-            }
-            Err(err) => {
-                nak(
-                    &held,
-                    retry(None),
-                    &judgement.reason,
-                    &err.to_string(),
-                    &mut events,
-                    event(EventType::MessageNaked),
-                )
+        Verdict::Term => {
+            terminate(&ctx, &who, &held, &judgement.reason, retry(None), &mut events, event(EventType::MessageNaked))
                 .await
-            }
-        },
+        }
     };
     Outcome { settled, events, gone: judgement.gone }
+}
+
+/// Dead-letters then terminates; if the copy cannot be stored, the message
+/// is NAK'd instead (it is never terminated without its copy).
+async fn terminate(
+    ctx: &InstanceContext,
+    who: &MemberRef,
+    held: &Delivered,
+    reason: &str,
+    retry_in: Duration,
+    events: &mut Vec<Event>,
+    naked: Event,
+) -> Settled {
+    match dead_letter_and_term(ctx, who, held, reason).await {
+        Ok(mut done) => {
+            events.append(&mut done);
+            Settled::Done
+        }
+        Err(err) => nak(held, retry_in, reason, &err.to_string(), events, naked).await,
+    }
 }
 
 async fn nak(
