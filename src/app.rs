@@ -31,11 +31,13 @@ pub struct AppState {
     pub groups: GroupAdmin,
     pub webhooks: WebhookStore,
     pub events: EventBus,
+    /// Cancelled when keygate shuts down (ends long-lived responses).
+    pub shutdown: CancellationToken,
 }
 
 impl AppState {
     /// State over an established NATS connection.
-    pub fn new(settings: Settings, nats: async_nats::Client) -> Self {
+    pub fn new(settings: Settings, nats: async_nats::Client, shutdown: CancellationToken) -> Self {
         let js = jetstream(nats.clone(), settings.nats_timeout);
         let policy = Arc::new(settings.destinations.clone());
         Self {
@@ -46,6 +48,7 @@ impl AppState {
             events: EventBus::new(nats.clone()),
             nats,
             js,
+            shutdown,
         }
     }
 
@@ -72,7 +75,7 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
         }
     };
     let nats = connect(&url, &auth).await?;
-    let state = AppState::new(settings, nats.clone());
+    let state = AppState::new(settings, nats.clone(), shutdown.clone());
     let instances = Arc::new(InstanceContext {
         js: state.js.clone(),
         nats: nats.clone(),

@@ -60,7 +60,8 @@ pub async fn events(
         .subscribe(subject)
         .await
         .map_err(|e| crate::nats::errors::unavailable_or_internal("subscribing to events", e))?;
-    let stream = subscription.filter_map(move |message| {
+    // Event streams end at shutdown, so they do not hold the HTTP drain.
+    let stream = subscription.take_until(state.shutdown.clone().cancelled_owned()).filter_map(move |message| {
         let types = types.clone();
         async move {
             let value: serde_json::Value = serde_json::from_slice(&message.payload).ok()?;

@@ -376,7 +376,17 @@ mod tests {
             let mut in_flight: Vec<(u32, u64)> = Vec::new();
             let mut naked_out: Vec<(u32, u64)> = Vec::new();
             for _ in 0..400 {
-                match rng.random_range(0..4) {
+                match rng.random_range(0..6) {
+                    4 => lanes.set_barrier(!lanes.barrier()),
+                    5 if !naked_out.is_empty() => {
+                        // An operator skips a blocked head: it never comes back.
+                        let (p, s) = naked_out.remove(rng.random_range(0..naked_out.len()));
+                        if lanes.blocked_head(p).is_some_and(|(head, _)| head == s) {
+                            lanes.skip(p, s);
+                        } else {
+                            naked_out.push((p, s));
+                        }
+                    }
                     0 => {
                         let p = rng.random_range(0..3);
                         lanes.offer(p, next_seq, next_seq);
@@ -397,7 +407,10 @@ mod tests {
                         lanes.offer(p, s, s);
                     }
                     _ => {
-                        for (p, s, _) in lanes.dispatch() {
+                        let barrier = lanes.barrier();
+                        let dispatched = lanes.dispatch();
+                        assert!(!barrier || dispatched.is_empty(), "nothing goes out while the barrier is up");
+                        for (p, s, _) in dispatched {
                             delivered.entry(p).or_default().push(s);
                             in_flight.push((p, s));
                         }
