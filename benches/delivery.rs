@@ -246,9 +246,17 @@ async fn failover(nats: &str, http: &reqwest::Client, js: &jetstream::Context) -
     sink.wait_for(1, Duration::from_secs(20)).await;
     let (mut second, _) = keygate_process(nats, "bench-b");
     tokio::time::sleep(Duration::from_secs(2)).await;
-    // Kill whichever holds the pin.
-    let view: Value = http.get(format!("{base}/v1/streams/FO/groups/g")).send().await.unwrap().json().await.unwrap();
-    if view["assignment"][0]["serving_instance"] == "bench-b" {
+    // Kill whichever holds the pin (asked until one answers).
+    let mut serving = Value::Null;
+    for _ in 0..50 {
+        let view: Value = http.get(format!("{base}/v1/streams/FO/groups/g")).send().await.unwrap().json().await.unwrap();
+        serving = view["assignment"][0]["serving_instance"].clone();
+        if !serving.is_null() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    if serving == "bench-b" {
         std::mem::swap(&mut first, &mut second);
     }
     let publishing = {
