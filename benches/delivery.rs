@@ -249,7 +249,8 @@ async fn failover(nats: &str, http: &reqwest::Client, js: &jetstream::Context) -
     // Kill whichever holds the pin (asked until one answers).
     let mut serving = Value::Null;
     for _ in 0..50 {
-        let view: Value = http.get(format!("{base}/v1/streams/FO/groups/g")).send().await.unwrap().json().await.unwrap();
+        let view: Value =
+            http.get(format!("{base}/v1/streams/FO/groups/g")).send().await.unwrap().json().await.unwrap();
         serving = view["assignment"][0]["serving_instance"].clone();
         if !serving.is_null() {
             break;

@@ -60,21 +60,50 @@ pub async fn get_stream(
     Ok(Json(state.streams.get(&stream).await?))
 }
 
-/// Deletes a stream and every message in it.
+/// Whether deleting a stream also deletes its groups.
+#[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct DeleteQuery {
+    /// Also delete the groups configured over the stream (their
+    /// configurations, consumers and work-queue streams).
+    #[serde(default)]
+    pub cascade: bool,
+}
+
+/// Deletes a stream and every message in it. A stream with groups is a 409
+/// unless `cascade=true`, which deletes the groups first.
 #[utoipa::path(
     delete,
     path = "/v1/streams/{stream}",
     tag = "streams",
-    params(("stream" = String, Path, description = "Stream name")),
+    params(("stream" = String, Path, description = "Stream name"), DeleteQuery),
     responses(
         (status = 204, description = "deleted"),
-        (status = 404, description = "unknown stream", body = Problem, content_type = "application/problem+json")
+        (status = 404, description = "unknown stream", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "groups are configured over the stream", body = Problem, content_type = "application/problem+json")
     )
 )]
 pub async fn delete_stream(
     State(state): State<AppState>,
     Path(stream): Path<StreamName>,
+    Query(query): Query<DeleteQuery>,
 ) -> Result<StatusCode, ApiError> {
+    let groups = match state.groups.list(&stream).await {
+        Ok(groups) => groups,
+        Err(ApiError::NotFound(_)) => Vec::new(),
+        Err(e) => return Err(e),
+    };
+    if !groups.is_empty() && !query.cascade {
+        let names: Vec<String> = groups.iter().map(|g| format!("{} ({})", g.group, g.kind.as_str())).collect();
+        return Err(ApiError::Conflict(format!(
+            "groups are configured over stream {stream}: {}; delete them first, or pass cascade=true",
+            names.join(", ")
+        )));
+    }
+    for g in &groups {
+        let name = crate::names::GroupName::parse(&g.group)?;
+        state.groups.delete(&stream, &name, Some(g.kind)).await?;
+    }
     state.streams.delete(&stream).await?;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -472,3 +472,19 @@ async fn an_elastic_group_over_a_stamped_stream_partitions_the_stamped_subjects(
     })
     .await;
 }
+
+#[tokio::test]
+async fn a_stream_with_groups_is_only_deleted_with_cascade() {
+    let app = TestApp::start().await;
+    app.create_stream("EV", json!({"subjects":["ev.*"]})).await;
+    app.put("/v1/streams/EV/groups/g", json!({"kind":"elastic","partitions":2,"members":["a"]})).await;
+    let (status, problem) = app.delete("/v1/streams/EV").await;
+    assert_eq!(status, 409);
+    assert!(problem["detail"].as_str().unwrap().contains("g (elastic)"), "{problem}");
+    assert!(app.js.get_stream("EV").await.is_ok(), "nothing was deleted");
+    let (status, _) = app.delete("/v1/streams/EV?cascade=true").await;
+    assert_eq!(status, 204);
+    assert!(app.js.get_stream("EV").await.is_err());
+    assert!(app.js.get_stream("EV-g").await.is_err(), "the group's work-queue stream went too");
+    assert!(app.kv_raw("elastic-consumer-groups", "EV.g").await.is_none());
+}
