@@ -9,6 +9,7 @@ pub mod events;
 pub mod groups;
 pub mod http;
 pub mod member;
+pub mod metrics;
 pub mod names;
 pub mod nats;
 pub mod partition;

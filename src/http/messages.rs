@@ -9,6 +9,24 @@ use crate::error::{ApiError, Problem};
 use crate::names::StreamName;
 use crate::publish::{self, BatchItem, BatchRequest, BatchResponse, PublishAck, PublishRequest};
 
+fn record(
+    stream: &StreamName,
+    results: &[Result<PublishAck, ApiError>],
+    kind: &'static str,
+    started: std::time::Instant,
+) {
+    use crate::metrics::{PUBLISHED, PUBLISH_SECONDS};
+    for result in results {
+        let outcome = match result {
+            Ok(ack) if ack.duplicate => "duplicate",
+            Ok(_) => "stored",
+            Err(_) => "error",
+        };
+        metrics::counter!(PUBLISHED, "stream" => stream.to_string(), "outcome" => outcome).increment(1);
+    }
+    metrics::histogram!(PUBLISH_SECONDS, "kind" => kind).record(started.elapsed().as_secs_f64());
+}
+
 fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
     match headers.get("idempotency-key") {
         None => Ok(None),
@@ -47,10 +65,13 @@ pub async fn publish_message(
     headers: HeaderMap,
     Json(request): Json<PublishRequest>,
 ) -> Result<Json<PublishAck>, ApiError> {
+    let started = std::time::Instant::now();
     let key = idempotency_key(&headers)?;
     let shape = state.streams.shape(&stream).await?;
-    let prepared = publish::prepare(&shape, request, key.as_deref(), state.max_payload())?;
-    let mut results = publish::publish_all(&state.js, &shape, vec![Ok(prepared)]).await;
+    let prepared = publish::prepare(&shape, request, key.as_deref(), state.max_payload());
+    let results = publish::publish_all(&state.js, &shape, vec![prepared]).await;
+    record(&stream, &results, "single", started);
+    let mut results = results;
     results.pop().unwrap_or_else(|| Err(ApiError::Internal("no publish result".into()))).map(Json)
 }
 
@@ -87,8 +108,10 @@ pub async fn publish_batch(
     let shape = state.streams.shape(&stream).await?;
     let max_payload = state.max_payload();
     let prepared = batch.messages.into_iter().map(|m| publish::prepare(&shape, m, None, max_payload)).collect();
-    let results = publish::publish_all(&state.js, &shape, prepared)
-        .await
+    let started = std::time::Instant::now();
+    let results = publish::publish_all(&state.js, &shape, prepared).await;
+    record(&stream, &results, "batch", started);
+    let results = results
         .into_iter()
         .map(|r| match r {
             Ok(ack) => BatchItem::Ok(ack),

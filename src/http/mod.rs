@@ -76,13 +76,33 @@ pub fn router(state: AppState) -> Router {
     let body_limit = state.settings.max_body_bytes;
     let docs: Router<AppState> = Router::from(utoipa_swagger_ui::SwaggerUi::new("/docs").url("/openapi.json", doc))
         .layer(axum::middleware::map_response(docs_problem));
+    let handle = crate::metrics::handle();
     api.merge(docs)
+        .route("/metrics", axum::routing::get(move || std::future::ready(handle.render())))
+        .layer(axum::middleware::from_fn(record_request))
         .fallback(|| async { ApiError::NotFound("no such route".into()) })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed("method not allowed on this route".into()) })
         .layer(DefaultBodyLimit::max(body_limit))
         .layer(CatchPanicLayer::custom(|_| ApiError::Internal("a handler panicked".into()).into_response()))
         .layer(TraceLayer::new_for_http())
         .with_state(state)
+}
+
+/// Counts requests by route template (never the raw path) and status.
+async fn record_request(request: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let route = request
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map_or_else(|| "unmatched".to_owned(), |p| p.as_str().to_owned());
+    let method = request.method().as_str().to_owned();
+    let started = std::time::Instant::now();
+    let response = next.run(request).await;
+    let status = response.status().as_u16().to_string();
+    metrics::counter!(crate::metrics::HTTP_REQUESTS, "route" => route.clone(), "method" => method.clone(), "status" => status)
+        .increment(1);
+    metrics::histogram!(crate::metrics::HTTP_SECONDS, "route" => route, "method" => method)
+        .record(started.elapsed().as_secs_f64());
+    response
 }
 
 /// Swagger UI answers unknown files with a bare 404; keep every error problem+json.

@@ -119,7 +119,13 @@ pub async fn deliver(
     fencing: u64,
 ) -> Outcome {
     let outbound = outbound(&who, &held, fencing);
+    let labels = [("stream", who.stream.to_string()), ("group", who.group.to_string())];
+    let called = std::time::Instant::now();
     let judgement = ctx.webhooks.call(&registration, &key, &outbound).await;
+    metrics::histogram!(crate::metrics::ENDPOINT_SECONDS, &labels).record(called.elapsed().as_secs_f64());
+    if held.attempt > 1 {
+        metrics::counter!(crate::metrics::REDELIVERIES, &labels).increment(1);
+    }
     let event = |t: EventType| {
         let mut e = who.event(&ctx, t);
         e.partition = Some(held.partition);
@@ -159,6 +165,14 @@ pub async fn deliver(
                 .await
         }
     };
+    let verdict = match &settled {
+        Settled::Done if matches!(judgement.verdict, Verdict::Ack) => "ack",
+        Settled::Done => "term",
+        _ => "nak",
+    };
+    let mut with_verdict = labels.to_vec();
+    with_verdict.push(("verdict", verdict.to_owned()));
+    metrics::counter!(crate::metrics::DELIVERIES, &with_verdict).increment(1);
     Outcome { settled, events, gone: judgement.gone }
 }
 
@@ -226,6 +240,8 @@ pub async fn dead_letter_and_term(
     )
     .await?;
     held.message.ack_with(AckKind::Term).await.map_err(|e| anyhow::anyhow!("terminating: {e}"))?;
+    metrics::counter!(crate::metrics::DEAD_LETTERS, "stream" => who.stream.to_string(), "group" => who.group.to_string())
+        .increment(1);
     let mut out = Vec::new();
     for t in [EventType::MessageTerminated, EventType::MessageDeadLettered] {
         let mut e = who.event(ctx, t);

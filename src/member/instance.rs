@@ -108,6 +108,15 @@ pub async fn serve_webhook(
             return;
         }
     };
+    let gauge = metrics::gauge!(crate::metrics::MEMBER_INSTANCES, "stream" => who.stream.to_string(), "group" => who.group.to_string());
+    gauge.increment(1.0);
+    struct Running(metrics::Gauge);
+    impl Drop for Running {
+        fn drop(&mut self) {
+            self.0.decrement(1.0);
+        }
+    }
+    let _running = Running(gauge);
     let mut last_partitions: Option<Vec<u32>> = None;
     loop {
         if cancel.is_cancelled() {
@@ -666,11 +675,24 @@ impl Session {
             self.shared.pinned.store(true, Ordering::Relaxed);
         }
         self.token_pending = !self.raise_fencing_token().await;
+        self.count_pin_change("gained");
         let mut e = self.who().event(self.ctx(), EventType::MemberPinned);
         e.pin_id = Some(pin);
         e.fencing_token = (!self.token_pending).then(|| self.shared.fencing.load(Ordering::Relaxed));
         e.partitions = Some(owned_partitions(&self.config, self.who().member.as_str()));
         self.ctx().events.emit(e);
+    }
+
+    fn count_pin_change(&self, change: &'static str) {
+        let who = self.who();
+        metrics::counter!(
+            crate::metrics::PIN_CHANGES,
+            "stream" => who.stream.to_string(),
+            "group" => who.group.to_string(),
+            "member" => who.member.to_string(),
+            "change" => change
+        )
+        .increment(1);
     }
 
     /// Raises the member's fencing token in KV; false when it could not
@@ -701,6 +723,7 @@ impl Session {
             state.lanes.release_held();
             state.blocked_reported.clear();
         }
+        self.count_pin_change("lost");
         let mut e = self.who().event(self.ctx(), EventType::MemberUnpinned);
         e.reason = Some(why.to_owned());
         self.ctx().events.emit(e);

@@ -402,3 +402,50 @@ async fn events_stream_pins_and_verdicts_over_sse() {
     assert_eq!(event["type"], "message.acked");
     assert_eq!(event["member"], "m1");
 }
+
+#[tokio::test]
+async fn metrics_count_publishes_deliveries_and_requests_with_bounded_labels() {
+    let app = TestApp::start().await;
+    let receiver = Receiver::start(|r, earlier| {
+        if r.header("x-fail") == Some("yes") && earlier == 0 {
+            Answer::status(500)
+        } else {
+            Answer::ok()
+        }
+    })
+    .await;
+    setup(&app, &receiver, json!({"backoff": {"initial_ms": 50, "max_ms": 100}})).await;
+    let body: Vec<Value> = (0..10)
+        .map(|n| json!({"key": format!("user {n}"), "headers": {"X-Fail": if n == 0 { "yes" } else { "no" }}}))
+        .collect();
+    let (_, acks) = app.post("/v1/streams/ORDERS/messages/batch", json!({"messages": body})).await;
+    let published = HashMap::from_iter(
+        acks["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| (a["key"].as_str().unwrap().to_owned(), vec![a["seq"].as_u64().unwrap()])),
+    );
+    all_acked(&receiver, &published, &[], Duration::from_secs(20)).await;
+    let text = eventually(Duration::from_secs(5), || async {
+        let text = app.http.get(app.url("/metrics")).send().await.ok()?.text().await.ok()?;
+        text.contains(r#"keygate_deliveries_total{stream="ORDERS",group="g",verdict="ack"} 10"#).then_some(text)
+    })
+    .await;
+    assert!(text.contains(r#"keygate_publish_messages_total{stream="ORDERS",outcome="stored"} 10"#), "{text}");
+    assert!(text.contains(r#"keygate_deliveries_total{stream="ORDERS",group="g",verdict="nak"} 1"#), "{text}");
+    assert!(text.contains(r#"keygate_redeliveries_total{stream="ORDERS",group="g"} 1"#), "{text}");
+    assert!(
+        text.contains(r#"keygate_pin_changes_total{stream="ORDERS",group="g",member="m1",change="gained"} 1"#),
+        "{text}"
+    );
+    assert!(text.contains(r#"keygate_member_instances{stream="ORDERS",group="g"} 1"#), "{text}");
+    assert!(text.contains("keygate_endpoint_duration_seconds_bucket"), "{text}");
+    assert!(
+        text.contains(
+            r#"keygate_http_requests_total{route="/v1/streams/{stream}/messages/batch",method="POST",status="200"} 1"#
+        ),
+        "route templates, not raw paths: {text}"
+    );
+    assert!(!text.contains("user 1"), "keys never become labels");
+}

@@ -1,0 +1,49 @@
+//! Prometheus metrics: every name in one place, labels bounded (stream,
+//! group and member names, route templates, verdicts; never keys or raw
+//! paths).
+
+use std::sync::OnceLock;
+
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+
+/// Messages published through the REST API, by outcome (`stored`, `duplicate`, `error`).
+pub const PUBLISHED: &str = "keygate_publish_messages_total";
+/// Time from receiving a publish request to answering it.
+pub const PUBLISH_SECONDS: &str = "keygate_publish_request_duration_seconds";
+/// Webhook deliveries by verdict (`ack`, `nak`, `term`).
+pub const DELIVERIES: &str = "keygate_deliveries_total";
+/// Time an endpoint took to answer a delivery.
+pub const ENDPOINT_SECONDS: &str = "keygate_endpoint_duration_seconds";
+/// Deliveries that were not a message's first attempt.
+pub const REDELIVERIES: &str = "keygate_redeliveries_total";
+/// Messages copied to the dead-letter stream.
+pub const DEAD_LETTERS: &str = "keygate_dead_letters_total";
+/// Pins gained and lost by this keygate's member instances.
+pub const PIN_CHANGES: &str = "keygate_pin_changes_total";
+/// Member instances this keygate runs.
+pub const MEMBER_INSTANCES: &str = "keygate_member_instances";
+/// HTTP requests by route template, method and status.
+pub const HTTP_REQUESTS: &str = "keygate_http_requests_total";
+/// HTTP request latency by route template and method.
+pub const HTTP_SECONDS: &str = "keygate_http_request_duration_seconds";
+
+const LATENCY_BUCKETS: &[f64] =
+    &[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
+
+/// The process-wide recorder, installed once (tests run several apps in one process).
+pub fn handle() -> PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let recorder = PrometheusBuilder::new()
+                .set_buckets(LATENCY_BUCKETS)
+                .expect("latency buckets are valid")
+                .build_recorder();
+            let handle = recorder.handle();
+            if metrics::set_global_recorder(recorder).is_err() {
+                tracing::warn!("a metrics recorder was already installed; keygate's metrics go there");
+            }
+            handle
+        })
+        .clone()
+}
