@@ -16,13 +16,19 @@ fn record(
     started: std::time::Instant,
 ) {
     use crate::metrics::{PUBLISHED, PUBLISH_SECONDS};
+    // One increment per outcome and request, not per message.
+    let mut counts = [0u64; 3];
     for result in results {
-        let outcome = match result {
-            Ok(ack) if ack.duplicate => "duplicate",
-            Ok(_) => "stored",
-            Err(_) => "error",
-        };
-        metrics::counter!(PUBLISHED, "stream" => stream.to_string(), "outcome" => outcome).increment(1);
+        counts[match result {
+            Ok(ack) if ack.duplicate => 1,
+            Ok(_) => 0,
+            Err(_) => 2,
+        }] += 1;
+    }
+    for (outcome, count) in ["stored", "duplicate", "error"].into_iter().zip(counts) {
+        if count > 0 {
+            metrics::counter!(PUBLISHED, "stream" => stream.to_string(), "outcome" => outcome).increment(count);
+        }
     }
     metrics::histogram!(PUBLISH_SECONDS, "kind" => kind).record(started.elapsed().as_secs_f64());
 }
