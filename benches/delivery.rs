@@ -17,10 +17,9 @@ use axum::http::HeaderMap;
 use axum::Router;
 use bytes::Bytes;
 use futures::StreamExt;
-use keygate::nats::embedded::EmbeddedServer;
-use keygate::Settings;
 use serde_json::{json, Value};
-use tokio_util::sync::CancellationToken;
+
+mod support;
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -285,23 +284,8 @@ async fn failover(nats: &str, http: &reqwest::Client, js: &jetstream::Context) -
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let n: u64 = std::env::var("KEYGATE_BENCH_MESSAGES").ok().and_then(|v| v.parse().ok()).unwrap_or(20_000);
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let store = tempfile::tempdir()?;
-    let stop = CancellationToken::new();
-    let server = EmbeddedServer::start("nats-server".as_ref(), store.path(), 0, stop.clone()).await?;
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await?;
-    let base = format!("http://{}", listener.local_addr()?);
-    let app_stop = CancellationToken::new();
-    let app = tokio::spawn(keygate::run(Settings::for_nats_url(server.url()), listener, app_stop.clone()));
-    let nats = async_nats::connect(server.url()).await?;
-    let js = keygate::nats::connect::jetstream(nats.clone(), Duration::from_secs(10));
-    let http = reqwest::Client::new();
-    for _ in 0..200 {
-        if http.get(format!("{base}/readyz")).send().await.is_ok_and(|r| r.status() == 200) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    let rig = support::Rig::start().await?;
+    let (base, js, http) = (rig.base.clone(), rig.js.clone(), rig.http.clone());
 
     println!(
         "keygate ordered delivery benchmark ({n} messages backlog, {PARTITIONS} partitions, {KEYS} keys, loopback; \
@@ -333,12 +317,9 @@ async fn main() -> anyhow::Result<()> {
         );
         assert_eq!(reorders, 0, "no per-key reorder");
     }
-    let (seconds, reorders) = failover(server.url(), &http, &js).await;
+    let (seconds, reorders) = failover(&rig.nats_url, &http, &js).await;
     println!("| failover (pinned keygate killed, pinned TTL 2 s) | | | {seconds:.2} s until deliveries resume | {reorders} reorders | | ≤ 3 s, 0 |");
 
-    app_stop.cancel();
-    let _ = app.await;
-    stop.cancel();
-    server.stopped().await;
+    rig.stop().await;
     Ok(())
 }

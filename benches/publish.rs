@@ -9,12 +9,12 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use keygate::nats::embedded::EmbeddedServer;
-use keygate::Settings;
 use serde_json::{json, Value};
-use tokio_util::sync::CancellationToken;
 
 /// The same allocator the keygate binary uses.
+#[allow(dead_code)] // each benchmark uses part of it
+mod support;
+
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -154,23 +154,8 @@ async fn main() -> anyhow::Result<()> {
     let n = env_or("KEYGATE_BENCH_MESSAGES", 50_000);
     let shape = (env_or("KEYGATE_BENCH_BATCH", 500).max(1), env_or("KEYGATE_BENCH_CONCURRENCY", 4).max(1));
     let (batch, concurrency) = shape;
-    let store = tempfile::tempdir()?;
-    let stop = CancellationToken::new();
-    let server = EmbeddedServer::start("nats-server".as_ref(), store.path(), 0, stop.clone()).await?;
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await?;
-    let base = format!("http://{}", listener.local_addr()?);
-    let app_stop = CancellationToken::new();
-    let app = tokio::spawn(keygate::run(Settings::for_nats_url(server.url()), listener, app_stop.clone()));
-    let nats = async_nats::connect(server.url()).await?;
-    let js = keygate::nats::connect::jetstream(nats.clone(), Duration::from_secs(10));
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let http = reqwest::Client::builder().pool_max_idle_per_host(256).build()?;
-    for _ in 0..200 {
-        if http.get(format!("{base}/readyz")).send().await.is_ok_and(|r| r.status() == 200) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    let rig = support::Rig::start().await?;
+    let (base, js, http) = (rig.base.clone(), rig.js.clone(), rig.http.clone());
 
     // Warm both paths once.
     raw_throughput(&js, 2_000).await;
@@ -236,9 +221,6 @@ async fn main() -> anyhow::Result<()> {
         ms(rest_lat.p99.saturating_sub(raw_lat.p99))
     );
 
-    app_stop.cancel();
-    let _ = app.await;
-    stop.cancel();
-    server.stopped().await;
+    rig.stop().await;
     Ok(())
 }

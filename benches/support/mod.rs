@@ -1,0 +1,54 @@
+//! What both benchmarks start: a nats-server in a temporary store, keygate
+//! in-process against it, a JetStream context and an HTTP client.
+
+use std::time::Duration;
+
+use keygate::nats::embedded::EmbeddedServer;
+use keygate::Settings;
+use tokio_util::sync::CancellationToken;
+
+pub struct Rig {
+    pub base: String,
+    pub nats_url: String,
+    pub js: async_nats::jetstream::Context,
+    pub http: reqwest::Client,
+    server: EmbeddedServer,
+    server_stop: CancellationToken,
+    app: tokio::task::JoinHandle<anyhow::Result<()>>,
+    app_stop: CancellationToken,
+    _store: tempfile::TempDir,
+}
+
+impl Rig {
+    /// Starts everything and waits until keygate is ready.
+    pub async fn start() -> anyhow::Result<Self> {
+        // reqwest needs a TLS provider chosen before a client is built.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let http = reqwest::Client::builder().pool_max_idle_per_host(256).build()?;
+        let store = tempfile::tempdir()?;
+        let server_stop = CancellationToken::new();
+        let server = EmbeddedServer::start("nats-server".as_ref(), store.path(), 0, server_stop.clone()).await?;
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await?;
+        let base = format!("http://{}", listener.local_addr()?);
+        let app_stop = CancellationToken::new();
+        let app = tokio::spawn(keygate::run(Settings::for_nats_url(server.url()), listener, app_stop.clone()));
+        let nats = async_nats::connect(server.url()).await?;
+        let js = keygate::nats::connect::jetstream(nats, Duration::from_secs(10));
+        for _ in 0..200 {
+            if http.get(format!("{base}/readyz")).send().await.is_ok_and(|r| r.status() == 200) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        let nats_url = server.url().to_owned();
+        Ok(Self { base, nats_url, js, http, server, server_stop, app, app_stop, _store: store })
+    }
+
+    /// Stops keygate, then the nats-server.
+    pub async fn stop(self) {
+        self.app_stop.cancel();
+        let _ = self.app.await;
+        self.server_stop.cancel();
+        self.server.stopped().await;
+    }
+}
