@@ -9,6 +9,7 @@ use anyhow::Context as _;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::auth::Verifier;
 use crate::config::{NatsTarget, Settings};
 use crate::delivery::webhook::{WebhookClient, WebhookStore};
 use crate::events::EventBus;
@@ -31,13 +32,20 @@ pub struct AppState {
     pub groups: GroupAdmin,
     pub webhooks: WebhookStore,
     pub events: EventBus,
+    /// Verifies bearer tokens; `None` runs the API open.
+    pub verifier: Option<Arc<Verifier>>,
     /// Cancelled when keygate shuts down (ends long-lived responses).
     pub shutdown: CancellationToken,
 }
 
 impl AppState {
     /// State over an established NATS connection.
-    pub fn new(settings: Settings, nats: async_nats::Client, shutdown: CancellationToken) -> Self {
+    pub fn new(
+        settings: Settings,
+        nats: async_nats::Client,
+        verifier: Option<Verifier>,
+        shutdown: CancellationToken,
+    ) -> Self {
         let js = jetstream(nats.clone(), settings.nats_timeout);
         let policy = Arc::new(settings.destinations.clone());
         Self {
@@ -46,6 +54,7 @@ impl AppState {
             groups: GroupAdmin::new(js.clone()),
             webhooks: WebhookStore::new(js.clone(), policy),
             events: EventBus::new(nats.clone()),
+            verifier: verifier.map(Arc::new),
             nats,
             js,
             shutdown,
@@ -65,6 +74,15 @@ impl AppState {
 /// embedded nats-server when no URL is configured, connects, serves HTTP,
 /// and on shutdown drains NATS and stops the embedded server.
 pub async fn run(settings: Settings, listener: TcpListener, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let verifier = Verifier::load(&settings.auth).context("loading the authentication keys")?;
+    let address = listener.local_addr()?;
+    if verifier.is_none() {
+        refuse_open_public_listener(address, settings.allow_unauthenticated)?;
+    }
+    let admin_listener = match settings.admin_listen {
+        Some(admin) => Some(TcpListener::bind(admin).await.with_context(|| format!("listening (admin) on {admin}"))?),
+        None => None,
+    };
     let server_token = CancellationToken::new();
     let (embedded, url, auth) = match &settings.nats {
         NatsTarget::External { url, auth } => (None, url.clone(), auth.clone()),
@@ -75,7 +93,7 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
         }
     };
     let nats = connect(&url, &auth).await?;
-    let state = AppState::new(settings, nats.clone(), shutdown.clone());
+    let state = AppState::new(settings, nats.clone(), verifier, shutdown.clone());
     let instances = Arc::new(InstanceContext {
         js: state.js.clone(),
         nats: nats.clone(),
@@ -94,8 +112,17 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
     // Members wind down as soon as shutdown starts, beside the HTTP drain.
     let members_token = shutdown.child_token();
     let members = tokio::spawn(crate::member::supervisor::supervise(instances, members_token.clone()));
+    let admin = admin_listener.map(|admin_listener| {
+        let app = crate::http::admin_router(state.clone());
+        if let Ok(address) = admin_listener.local_addr() {
+            tracing::info!(%address, "keygate admin listening (/healthz, /readyz, /metrics)");
+        }
+        tokio::spawn(
+            axum::serve(admin_listener, app).with_graceful_shutdown(shutdown.clone().cancelled_owned()).into_future(),
+        )
+    });
     let app = crate::http::router(state);
-    tracing::info!(address = %listener.local_addr()?, "keygate listening");
+    tracing::info!(%address, "keygate listening");
     let server = axum::serve(listener, app).with_graceful_shutdown(shutdown.clone().cancelled_owned());
     tokio::select! {
         served = server.into_future() => served.context("serving HTTP")?,
@@ -105,6 +132,9 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
         } => tracing::warn!(grace = ?SHUTDOWN_GRACE, "requests still running at shutdown; stopping anyway"),
     }
     tracing::info!("shutting down");
+    if let Some(admin) = admin {
+        admin.abort();
+    }
     members_token.cancel();
     let _ = members.await;
     if let Err(e) = nats.drain().await {
@@ -115,4 +145,41 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
         server.stopped().await;
     }
     Ok(())
+}
+
+/// Without keys keygate runs open: said loudly on loopback, refused
+/// elsewhere unless explicitly allowed.
+fn refuse_open_public_listener(address: std::net::SocketAddr, allowed: bool) -> anyhow::Result<()> {
+    if address.ip().is_loopback() {
+        tracing::warn!(
+            %address,
+            "AUTHENTICATION IS OFF: no verification keys are configured, so every request is allowed. \
+             Fine on loopback for development; set KEYGATE_AUTH_HS256_SECRET, KEYGATE_AUTH_PUBLIC_KEY or \
+             KEYGATE_AUTH_JWKS before exposing keygate."
+        );
+        return Ok(());
+    }
+    anyhow::ensure!(
+        allowed,
+        "refusing to serve {address} without authentication: configure a verification key \
+         (--auth-hs256-secret, --auth-public-key or --auth-jwks), listen on loopback, \
+         or pass --allow-unauthenticated"
+    );
+    tracing::warn!(%address, "AUTHENTICATION IS OFF on a non-loopback address (--allow-unauthenticated)");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::refuse_open_public_listener;
+
+    #[test]
+    fn without_keys_only_loopback_or_an_explicit_opt_in_may_serve() {
+        assert!(refuse_open_public_listener("127.0.0.1:8080".parse().unwrap(), false).is_ok());
+        assert!(refuse_open_public_listener("[::1]:8080".parse().unwrap(), false).is_ok());
+        let refused = refuse_open_public_listener("0.0.0.0:8080".parse().unwrap(), false).unwrap_err();
+        assert!(refused.to_string().contains("--allow-unauthenticated"), "{refused}");
+        assert!(refuse_open_public_listener("10.1.2.3:8080".parse().unwrap(), false).is_err());
+        assert!(refuse_open_public_listener("0.0.0.0:8080".parse().unwrap(), true).is_ok());
+    }
 }

@@ -47,6 +47,13 @@ pub struct Settings {
     pub delivery_grace: Duration,
     /// Names this process in events and group views (default: random).
     pub instance_id: Option<String>,
+    /// Bearer-token verification; no keys means no authentication.
+    pub auth: crate::auth::AuthSettings,
+    /// Serve without authentication on a non-loopback address.
+    pub allow_unauthenticated: bool,
+    /// A second listener for `/healthz`, `/readyz` and `/metrics` only
+    /// (then `/metrics` leaves the API listener).
+    pub admin_listen: Option<SocketAddr>,
 }
 
 impl Settings {
@@ -62,6 +69,9 @@ impl Settings {
             hold_cap: 256,
             delivery_grace: Duration::from_secs(10),
             instance_id: None,
+            auth: crate::auth::AuthSettings { leeway: Duration::from_secs(30), ..Default::default() },
+            allow_unauthenticated: false,
+            admin_listen: None,
         }
     }
 }

@@ -26,6 +26,15 @@ pub enum ApiError {
     /// 400: malformed or invalid input.
     #[error("{0}")]
     BadRequest(String),
+    /// 401: the request carries no bearer token.
+    #[error("this request needs a bearer token (Authorization: Bearer <JWT>)")]
+    MissingToken,
+    /// 401: a bearer token that does not verify.
+    #[error("{0}")]
+    Unauthorized(String),
+    /// 403: a verified token without the scope this request needs.
+    #[error("this request needs the scope `{scope}`")]
+    Forbidden { scope: String },
     /// 404: the stream, group, member or route is unknown.
     #[error("{0}")]
     NotFound(String),
@@ -57,6 +66,8 @@ impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
             Self::BadRequest(_) => StatusCode::BAD_REQUEST,
+            Self::MissingToken | Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            Self::Forbidden { .. } => StatusCode::FORBIDDEN,
             Self::NotFound(_) => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::Conflict(_) => StatusCode::CONFLICT,
@@ -71,6 +82,8 @@ impl ApiError {
     fn slug(&self) -> &'static str {
         match self {
             Self::BadRequest(_) => "invalid-request",
+            Self::MissingToken | Self::Unauthorized(_) => "unauthorized",
+            Self::Forbidden { .. } => "forbidden",
             Self::NotFound(_) => "not-found",
             Self::MethodNotAllowed(_) => "method-not-allowed",
             Self::Conflict(_) => "conflict",
@@ -106,7 +119,23 @@ impl IntoResponse for ApiError {
         let problem = self.problem();
         let status = self.status();
         let body = serde_json::to_vec(&problem).unwrap_or_default();
-        (status, [(header::CONTENT_TYPE, "application/problem+json")], body).into_response()
+        let mut response = (status, [(header::CONTENT_TYPE, "application/problem+json")], body).into_response();
+        // RFC 6750: tell the client what kind of credential would work.
+        let challenge = match &self {
+            Self::MissingToken => Some("Bearer realm=\"keygate\"".to_owned()),
+            Self::Unauthorized(detail) => Some(format!(
+                "Bearer realm=\"keygate\", error=\"invalid_token\", error_description=\"{}\"",
+                detail.replace(['"', '\\'], "'")
+            )),
+            Self::Forbidden { scope } => {
+                Some(format!("Bearer realm=\"keygate\", error=\"insufficient_scope\", scope=\"{scope}\""))
+            }
+            _ => None,
+        };
+        if let Some(value) = challenge.and_then(|c| header::HeaderValue::from_str(&c).ok()) {
+            response.headers_mut().insert(header::WWW_AUTHENTICATE, value);
+        }
+        response
     }
 }
 

@@ -2,6 +2,7 @@
 //! HTTP or WebSocket client.
 
 pub mod app;
+pub mod auth;
 pub mod config;
 pub mod delivery;
 pub mod error;

@@ -40,6 +40,9 @@ enum Command {
     Healthcheck {
         #[arg(long, env = "KEYGATE_LISTEN", default_value = "127.0.0.1:8080")]
         listen: SocketAddr,
+        /// Checked instead of --listen when set (it serves /healthz too).
+        #[arg(long, env = "KEYGATE_ADMIN_LISTEN")]
+        admin_listen: Option<SocketAddr>,
     },
 }
 
@@ -102,6 +105,30 @@ struct ServeArgs {
     /// Name of this keygate in events and group views (e.g. the pod name; default: random).
     #[arg(long, env = "KEYGATE_INSTANCE_ID")]
     instance_id: Option<String>,
+    /// Shared secret (at least 32 bytes) verifying HS256 bearer tokens.
+    #[arg(long, env = "KEYGATE_AUTH_HS256_SECRET", hide_env_values = true)]
+    auth_hs256_secret: Option<String>,
+    /// PEM public key (RSA, EC P-256/P-384 or Ed25519) verifying RS*/ES*/EdDSA bearer tokens.
+    #[arg(long, env = "KEYGATE_AUTH_PUBLIC_KEY")]
+    auth_public_key: Option<PathBuf>,
+    /// JWKS file (`{"keys":[…]}`) verifying bearer tokens; keys are chosen by `kid`.
+    #[arg(long, env = "KEYGATE_AUTH_JWKS")]
+    auth_jwks: Option<PathBuf>,
+    /// Required `iss` claim.
+    #[arg(long, env = "KEYGATE_AUTH_ISSUER")]
+    auth_issuer: Option<String>,
+    /// Required `aud` claim.
+    #[arg(long, env = "KEYGATE_AUTH_AUDIENCE")]
+    auth_audience: Option<String>,
+    /// Clock skew tolerated on `exp` and `nbf`, in seconds.
+    #[arg(long, env = "KEYGATE_AUTH_LEEWAY_SECS", default_value_t = 30)]
+    auth_leeway_secs: u64,
+    /// Serve without authentication on a non-loopback address (otherwise refused).
+    #[arg(long, env = "KEYGATE_ALLOW_UNAUTHENTICATED")]
+    allow_unauthenticated: bool,
+    /// Separate listener for /healthz, /readyz and /metrics (then /metrics leaves --listen).
+    #[arg(long, env = "KEYGATE_ADMIN_LISTEN")]
+    admin_listen: Option<SocketAddr>,
     /// Log format.
     #[arg(long, env = "KEYGATE_LOG_FORMAT", value_enum, default_value = "pretty")]
     log_format: LogFormat,
@@ -139,6 +166,16 @@ impl ServeArgs {
             hold_cap: self.hold_cap.max(1),
             delivery_grace: Duration::from_secs(10),
             instance_id: self.instance_id.clone(),
+            auth: keygate::auth::AuthSettings {
+                hs256_secret: self.auth_hs256_secret.clone(),
+                public_key_pem: self.auth_public_key.clone(),
+                jwks_file: self.auth_jwks.clone(),
+                issuer: self.auth_issuer.clone(),
+                audience: self.auth_audience.clone(),
+                leeway: Duration::from_secs(self.auth_leeway_secs),
+            },
+            allow_unauthenticated: self.allow_unauthenticated,
+            admin_listen: self.admin_listen,
         }
     }
 }
@@ -204,6 +241,6 @@ async fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Healthcheck { listen } => healthcheck(listen).await,
+        Command::Healthcheck { listen, admin_listen } => healthcheck(admin_listen.unwrap_or(listen)).await,
     }
 }

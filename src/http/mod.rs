@@ -1,6 +1,7 @@
 //! The HTTP API: routes, the OpenAPI document generated from the handlers,
 //! and problem+json answers for anything that does not route.
 
+pub mod auth;
 pub mod events;
 pub mod extract;
 pub mod groups;
@@ -13,6 +14,7 @@ use axum::extract::DefaultBodyLimit;
 use axum::response::{IntoResponse, Response};
 use axum::Router;
 use tower_http::catch_panic::CatchPanicLayer;
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::TraceLayer;
 use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
@@ -42,7 +44,7 @@ struct ApiDoc;
 
 /// The API routes and the OpenAPI document describing them.
 pub fn api() -> (Router<AppState>, utoipa::openapi::OpenApi) {
-    OpenApiRouter::with_openapi(ApiDoc::openapi())
+    let (router, mut doc) = OpenApiRouter::with_openapi(ApiDoc::openapi())
         .routes(routes!(health::healthz))
         .routes(routes!(health::readyz))
         .routes(routes!(streams::list_streams))
@@ -59,7 +61,9 @@ pub fn api() -> (Router<AppState>, utoipa::openapi::OpenApi) {
         .routes(routes!(groups::retry_partition_now))
         .routes(routes!(webhooks::put_webhook, webhooks::get_webhook, webhooks::delete_webhook))
         .routes(routes!(events::events))
-        .split_for_parts()
+        .split_for_parts();
+    auth::document_security(&mut doc);
+    (router, doc)
 }
 
 /// The OpenAPI document as committed at `openapi/openapi.json`.
@@ -76,16 +80,42 @@ pub fn router(state: AppState) -> Router {
     let body_limit = state.settings.max_body_bytes;
     let docs: Router<AppState> = Router::from(utoipa_swagger_ui::SwaggerUi::new("/docs").url("/openapi.json", doc))
         .layer(axum::middleware::map_response(docs_problem));
-    let handle = crate::metrics::handle();
-    api.merge(docs)
-        .route("/metrics", axum::routing::get(move || std::future::ready(handle.render())))
-        .layer(axum::middleware::from_fn(record_request))
+    let separate_admin = state.settings.admin_listen.is_some();
+    let mut app = api.route_layer(axum::middleware::from_fn_with_state(state.clone(), auth::authorize)).merge(docs);
+    if !separate_admin {
+        app = app.merge(metrics_route());
+    }
+    app.layer(axum::middleware::from_fn(record_request))
         .fallback(|| async { ApiError::NotFound("no such route".into()) })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed("method not allowed on this route".into()) })
         .layer(DefaultBodyLimit::max(body_limit))
         .layer(CatchPanicLayer::custom(|_| ApiError::Internal("a handler panicked".into()).into_response()))
-        .layer(TraceLayer::new_for_http())
+        .layer(TraceLayer::new_for_http().make_span_with(request_span))
+        .layer(PropagateRequestIdLayer::x_request_id())
+        .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
         .with_state(state)
+}
+
+/// The admin listener: liveness, readiness and metrics, nothing else.
+pub fn admin_router(state: AppState) -> Router {
+    Router::new()
+        .route("/healthz", axum::routing::get(health::healthz))
+        .route("/readyz", axum::routing::get(health::readyz))
+        .merge(metrics_route())
+        .fallback(|| async { ApiError::NotFound("the admin listener serves /healthz, /readyz and /metrics".into()) })
+        .with_state(state)
+}
+
+fn metrics_route() -> Router<AppState> {
+    let handle = crate::metrics::handle();
+    Router::new().route("/metrics", axum::routing::get(move || std::future::ready(handle.render())))
+}
+
+/// Every log line of a request's work carries its id (`x-request-id`, taken
+/// from the client when given, else generated, and echoed in the answer).
+fn request_span(request: &axum::http::Request<axum::body::Body>) -> tracing::Span {
+    let id = request.headers().get("x-request-id").and_then(|v| v.to_str().ok()).unwrap_or("-");
+    tracing::info_span!("request", id, method = %request.method(), uri = %request.uri().path())
 }
 
 /// Counts requests by route template (never the raw path) and status.

@@ -1,5 +1,6 @@
 //! Integration tests: keygate against a real nats-server.
 
+mod auth;
 mod delivery;
 mod errors;
 mod failover;

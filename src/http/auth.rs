@@ -1,0 +1,242 @@
+//! Who may call which route: the access rule of every route (one table,
+//! used both to enforce and to document), the middleware that enforces it,
+//! and the OpenAPI security it publishes.
+
+use std::collections::HashMap;
+
+use axum::extract::{MatchedPath, RawPathParams, Request, State};
+use axum::http::{header, Method};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use utoipa::openapi::path::Operation;
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme};
+use utoipa::openapi::{ContentBuilder, OpenApi, Ref, RefOr, ResponseBuilder};
+
+use crate::app::AppState;
+use crate::auth::Requirement;
+use crate::error::ApiError;
+use crate::names::{GroupName, StreamName};
+
+/// The name of the bearer scheme in the OpenAPI document.
+pub const BEARER: &str = "bearer";
+
+/// What a route asks of its caller, before the request's own names are known.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// No token.
+    Open,
+    /// `keygate:admin`.
+    Admin,
+    /// `publish:{stream}` from the path.
+    PublishPathStream,
+    /// `consume:{stream}/{group}` from the path (WebSocket join).
+    ConsumePathGroup,
+    /// `consume:{stream}/{group}` from the `stream` and `group` query parameters (events).
+    ConsumeQueryGroup,
+}
+
+impl Access {
+    /// The scope as documented, with the request's names as placeholders.
+    fn documented_scope(self) -> Option<&'static str> {
+        match self {
+            Self::Open => None,
+            Self::Admin => Some(crate::auth::scopes::ADMIN),
+            Self::PublishPathStream => Some("publish:{stream}"),
+            Self::ConsumePathGroup | Self::ConsumeQueryGroup => Some("consume:{stream}/{group}"),
+        }
+    }
+
+    /// Browsers cannot set headers on EventSource or WebSocket requests.
+    fn accepts_query_token(self) -> bool {
+        matches!(self, Self::ConsumePathGroup | Self::ConsumeQueryGroup)
+    }
+}
+
+/// The access rule of a route template. Anything under `/v1/` not named
+/// here is admin-only, so a new route is closed until someone opens it.
+pub fn access_for(method: &Method, template: &str) -> Access {
+    if !template.starts_with("/v1/") {
+        return Access::Open;
+    }
+    if template == "/v1/events" {
+        return Access::ConsumeQueryGroup;
+    }
+    if *method == Method::GET && template.ends_with("/members/{member}/ws") {
+        return Access::ConsumePathGroup;
+    }
+    if *method == Method::POST
+        && (template == "/v1/streams/{stream}/messages" || template == "/v1/streams/{stream}/messages/batch")
+    {
+        return Access::PublishPathStream;
+    }
+    Access::Admin
+}
+
+/// Enforces [`access_for`] on every routed request when keygate has keys.
+pub async fn authorize(
+    State(state): State<AppState>,
+    path: RawPathParams,
+    mut request: Request,
+    next: Next,
+) -> Response {
+    let Some(verifier) = state.verifier.clone() else { return next.run(request).await };
+    let template = request.extensions().get::<MatchedPath>().map(|p| p.as_str().to_owned()).unwrap_or_default();
+    let access = access_for(request.method(), &template);
+    if access == Access::Open {
+        return next.run(request).await;
+    }
+    let mut query: HashMap<String, String> = if access.accepts_query_token() {
+        axum::extract::Query::try_from_uri(request.uri()).map(|q| q.0).unwrap_or_default()
+    } else {
+        HashMap::new()
+    };
+    let token = bearer_token(&request).or_else(|| query.remove("access_token"));
+    let Some(token) = token else { return ApiError::MissingToken.into_response() };
+    let caller = match verifier.verify(&token) {
+        Ok(caller) => caller,
+        Err(refusal) => return ApiError::Unauthorized(refusal.to_string()).into_response(),
+    };
+    let path_param = |name: &str| path.iter().find(|(key, _)| *key == name).map(|(_, value)| value.to_owned());
+    let requirement = match requirement(access, path_param, query) {
+        Ok(requirement) => requirement,
+        Err(e) => return e.into_response(),
+    };
+    if !caller.scopes.allows(&requirement) {
+        tracing::info!(subject = caller.subject.as_deref().unwrap_or("-"), ?requirement, "refused: missing scope");
+        return ApiError::Forbidden { scope: requirement.scope().unwrap_or_default() }.into_response();
+    }
+    tracing::debug!(subject = caller.subject.as_deref().unwrap_or("-"), "authorized");
+    request.extensions_mut().insert(caller);
+    next.run(request).await
+}
+
+/// The request's requirement with its own names filled in. Names are parsed
+/// first, so a wildcard character in a name can never widen what is asked.
+fn requirement(
+    access: Access,
+    path_param: impl Fn(&str) -> Option<String>,
+    mut query: HashMap<String, String>,
+) -> Result<Requirement, ApiError> {
+    let stream = |raw: Option<String>| -> Result<Option<String>, ApiError> {
+        raw.map(|s| StreamName::parse(&s).map(|n| n.as_str().to_owned())).transpose().map_err(ApiError::from)
+    };
+    let group = |raw: Option<String>| -> Result<Option<String>, ApiError> {
+        raw.map(|s| GroupName::parse(&s).map(|n| n.as_str().to_owned())).transpose().map_err(ApiError::from)
+    };
+    Ok(match access {
+        Access::Open => Requirement::Open,
+        Access::Admin => Requirement::Admin,
+        Access::PublishPathStream => Requirement::Publish {
+            stream: stream(path_param("stream"))?
+                .ok_or_else(|| ApiError::BadRequest("no stream in the path".into()))?,
+        },
+        Access::ConsumePathGroup => {
+            Requirement::Consume { stream: stream(path_param("stream"))?, group: group(path_param("group"))? }
+        }
+        Access::ConsumeQueryGroup => {
+            let stream = stream(query.remove("stream"))?;
+            // A group without its stream names nothing narrower than every stream.
+            let group = if stream.is_some() { group(query.remove("group"))? } else { None };
+            Requirement::Consume { stream, group }
+        }
+    })
+}
+
+fn bearer_token(request: &Request) -> Option<String> {
+    let value = request.headers().get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim().to_owned()).filter(|t| !t.is_empty())
+}
+
+/// Publishes the access table in the document: the bearer scheme, each
+/// operation's scope, and its 401/403 answers.
+pub fn document_security(doc: &mut OpenApi) {
+    let components = doc.components.get_or_insert_with(Default::default);
+    components.add_security_scheme(
+        BEARER,
+        SecurityScheme::Http(
+            HttpBuilder::new()
+                .scheme(HttpAuthScheme::Bearer)
+                .bearer_format("JWT")
+                .description(Some(
+                    "A JWT whose `scope` (space-separated) or `scopes` (array) claim grants: `keygate:admin` \
+                     (everything), `publish:<stream>`, `consume:<stream>/<group>`; a trailing `*` is a wildcard \
+                     (`publish:*`). The events and WebSocket routes also take it as the `access_token` query \
+                     parameter. Required only when keygate is configured with verification keys.",
+                ))
+                .build(),
+        ),
+    );
+    for (path, item) in doc.paths.paths.iter_mut() {
+        let operations: [(Method, &mut Option<Operation>); 5] = [
+            (Method::GET, &mut item.get),
+            (Method::PUT, &mut item.put),
+            (Method::POST, &mut item.post),
+            (Method::DELETE, &mut item.delete),
+            (Method::PATCH, &mut item.patch),
+        ];
+        for (method, operation) in operations {
+            let Some(operation) = operation.as_mut() else { continue };
+            let Some(scope) = access_for(&method, path).documented_scope() else { continue };
+            operation.security = Some(vec![SecurityRequirement::new(BEARER, [scope])]);
+            for (status, description) in [
+                ("401", "no bearer token, or one that does not verify"),
+                ("403", "the token lacks the scope this operation needs"),
+            ] {
+                operation.responses.responses.entry(status.to_owned()).or_insert_with(|| {
+                    RefOr::T(
+                        ResponseBuilder::new()
+                            .description(description)
+                            .content(
+                                "application/problem+json",
+                                ContentBuilder::new().schema(Some(Ref::from_schema_name("Problem"))).build(),
+                            )
+                            .build(),
+                    )
+                });
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routes_outside_v1_are_open_and_v1_defaults_to_admin() {
+        assert_eq!(access_for(&Method::GET, "/healthz"), Access::Open);
+        assert_eq!(access_for(&Method::GET, "/metrics"), Access::Open);
+        assert_eq!(access_for(&Method::GET, "/v1/streams"), Access::Admin);
+        assert_eq!(access_for(&Method::PUT, "/v1/streams/{stream}/groups/{group}"), Access::Admin);
+        assert_eq!(access_for(&Method::POST, "/v1/some/new/route"), Access::Admin);
+    }
+
+    #[test]
+    fn publishing_and_consuming_have_their_own_scopes() {
+        assert_eq!(access_for(&Method::POST, "/v1/streams/{stream}/messages"), Access::PublishPathStream);
+        assert_eq!(access_for(&Method::POST, "/v1/streams/{stream}/messages/batch"), Access::PublishPathStream);
+        assert_eq!(access_for(&Method::GET, "/v1/events"), Access::ConsumeQueryGroup);
+        assert_eq!(
+            access_for(&Method::GET, "/v1/streams/{stream}/groups/{group}/members/{member}/ws"),
+            Access::ConsumePathGroup
+        );
+    }
+
+    #[test]
+    fn names_are_parsed_before_they_become_scopes() {
+        let no_path = |_: &str| None;
+        let query = |pairs: &[(&str, &str)]| -> HashMap<String, String> {
+            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        };
+        assert!(requirement(Access::ConsumeQueryGroup, no_path, query(&[("stream", "o*")])).is_err());
+        assert_eq!(
+            requirement(Access::ConsumeQueryGroup, no_path, query(&[("stream", "orders"), ("group", "g")])).unwrap(),
+            Requirement::Consume { stream: Some("orders".into()), group: Some("g".into()) }
+        );
+        assert_eq!(
+            requirement(Access::ConsumeQueryGroup, no_path, query(&[("group", "g")])).unwrap(),
+            Requirement::Consume { stream: None, group: None }
+        );
+    }
+}
