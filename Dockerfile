@@ -1,7 +1,12 @@
 # keygate container image.
 #
 #   docker build -t keygate .
-#   docker run --rm -p 8080:8080 -e KEYGATE_NATS_URL=nats://nats:4222 keygate
+#   docker run --rm -p 8080:8080 -e KEYGATE_NATS_URL=nats://nats:4222 \
+#     -e KEYGATE_AUTH_HS256_SECRET="$(openssl rand -base64 48)" keygate
+#
+# The image listens on 0.0.0.0:8080, where keygate refuses to start without a
+# verification key (KEYGATE_AUTH_HS256_SECRET, KEYGATE_AUTH_PUBLIC_KEY or
+# KEYGATE_AUTH_JWKS). deploy/ has Kubernetes manifests and a compose file.
 #
 # Stage 1 builds the release binary; its dependencies are compiled in a layer
 # of their own, so editing src/ does not recompile them. Stage 2 is a slim

@@ -112,6 +112,14 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
     // Members wind down as soon as shutdown starts, beside the HTTP drain.
     let members_token = shutdown.child_token();
     let members = tokio::spawn(crate::member::supervisor::supervise(instances, members_token.clone()));
+    let backlog = state.settings.backlog_sample_interval.map(|every| {
+        tokio::spawn(crate::groups::backlog::sample_backlog(
+            state.groups.clone(),
+            nats.clone(),
+            every,
+            members_token.clone(),
+        ))
+    });
     let admin = admin_listener.map(|admin_listener| {
         let app = crate::http::admin_router(state.clone());
         if let Ok(address) = admin_listener.local_addr() {
@@ -137,6 +145,9 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
     }
     members_token.cancel();
     let _ = members.await;
+    if let Some(backlog) = backlog {
+        let _ = backlog.await;
+    }
     if let Err(e) = nats.drain().await {
         tracing::warn!(error = %e, "draining NATS");
     }

@@ -54,6 +54,8 @@ pub struct Settings {
     /// A second listener for `/healthz`, `/readyz` and `/metrics` only
     /// (then `/metrics` leaves the API listener).
     pub admin_listen: Option<SocketAddr>,
+    /// How often groups' backlog per partition is sampled into metrics (`None`: never).
+    pub backlog_sample_interval: Option<Duration>,
 }
 
 impl Settings {
@@ -72,6 +74,7 @@ impl Settings {
             auth: crate::auth::AuthSettings { leeway: Duration::from_secs(30), ..Default::default() },
             allow_unauthenticated: false,
             admin_listen: None,
+            backlog_sample_interval: Some(Duration::from_secs(15)),
         }
     }
 }

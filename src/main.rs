@@ -129,6 +129,9 @@ struct ServeArgs {
     /// Separate listener for /healthz, /readyz and /metrics (then /metrics leaves --listen).
     #[arg(long, env = "KEYGATE_ADMIN_LISTEN")]
     admin_listen: Option<SocketAddr>,
+    /// Seconds between samples of every group's backlog per partition for /metrics (0: off).
+    #[arg(long, env = "KEYGATE_BACKLOG_SAMPLE_SECS", default_value_t = 15)]
+    backlog_sample_secs: u64,
     /// Log format.
     #[arg(long, env = "KEYGATE_LOG_FORMAT", value_enum, default_value = "pretty")]
     log_format: LogFormat,
@@ -176,6 +179,8 @@ impl ServeArgs {
             },
             allow_unauthenticated: self.allow_unauthenticated,
             admin_listen: self.admin_listen,
+            backlog_sample_interval: (self.backlog_sample_secs > 0)
+                .then(|| Duration::from_secs(self.backlog_sample_secs)),
         }
     }
 }

@@ -22,6 +22,10 @@ pub const DEAD_LETTERS: &str = "keygate_dead_letters_total";
 pub const PIN_CHANGES: &str = "keygate_pin_changes_total";
 /// Member instances this keygate runs.
 pub const MEMBER_INSTANCES: &str = "keygate_member_instances";
+/// Partitions whose head message is being retried, per member instance.
+pub const BLOCKED_PARTITIONS: &str = "keygate_blocked_partitions";
+/// Messages not yet delivered per partition of a group (sampled).
+pub const PARTITION_PENDING: &str = "keygate_partition_pending_messages";
 /// HTTP requests by route template, method and status.
 pub const HTTP_REQUESTS: &str = "keygate_http_requests_total";
 /// HTTP request latency by route template and method.

@@ -351,6 +351,19 @@ impl GroupAdmin {
     /// Groups on a stream, both flavours, sorted by name.
     pub async fn list(&self, stream: &StreamName) -> Result<Vec<GroupSummary>, ApiError> {
         self.stream_info(stream.as_str()).await?;
+        let mut out: Vec<GroupSummary> = self
+            .list_all()
+            .await?
+            .into_iter()
+            .filter(|(s, _, _)| s == stream)
+            .map(|(_, group, kind)| GroupSummary { group: group.to_string(), kind })
+            .collect();
+        out.sort_by(|a, b| a.group.cmp(&b.group));
+        Ok(out)
+    }
+
+    /// Every group on every stream, by the keys of both configuration buckets.
+    pub async fn list_all(&self) -> Result<Vec<(StreamName, GroupName, GroupKind)>, ApiError> {
         let mut out = Vec::new();
         for (kind, bucket) in [(GroupKind::Static, STATIC_BUCKET), (GroupKind::Elastic, ELASTIC_BUCKET)] {
             let Some(store) = self.bucket(bucket).await? else { continue };
@@ -362,14 +375,12 @@ impl GroupAdmin {
                 .await
                 .map_err(|e| unavailable_or_internal("listing groups", e))?;
             for key in keys {
-                if let Some((s, g)) = key.split_once('.') {
-                    if s == stream.as_str() && !g.contains('.') {
-                        out.push(GroupSummary { group: g.to_owned(), kind });
-                    }
+                let Some((s, g)) = key.split_once('.') else { continue };
+                if let (Ok(stream), Ok(group)) = (StreamName::parse(s), GroupName::parse(g)) {
+                    out.push((stream, group, kind));
                 }
             }
         }
-        out.sort_by(|a, b| a.group.cmp(&b.group));
         Ok(out)
     }
 
@@ -608,7 +619,12 @@ impl GroupAdmin {
             owners.iter().flat_map(|(m, ps)| ps.iter().map(move |p| (*p, m.clone()))).collect();
         // Backlog is best effort: a GET still answers when it cannot be counted.
         let counted = match config {
-            GroupConfig::Static(c) => self.static_pending(stream.as_str(), c, &owner_of, &floors).await,
+            GroupConfig::Static(c) => {
+                let floor_of: BTreeMap<u32, u64> = (0..partitions)
+                    .map(|p| (p, owner_of.get(&p).and_then(|m| floors.get(m)).copied().unwrap_or(0)))
+                    .collect();
+                self.static_pending(stream.as_str(), c, &floor_of).await
+            }
             GroupConfig::Elastic(_) => {
                 self.subject_counts(&elastic_stream_name(stream.as_str(), group.as_str()), partitions).await
             }
@@ -678,22 +694,45 @@ impl GroupAdmin {
         }
     }
 
+    /// Recounts a static group's backlog for partitions whose serving
+    /// instance reports a higher floor than the consumer's ack floor (which
+    /// one un-acked message of another partition holds back).
+    pub async fn recount_static_pending(
+        &self,
+        view: &mut GroupView,
+        instance_floors: &BTreeMap<u32, u64>,
+    ) -> Result<(), ApiError> {
+        if view.kind != GroupKind::Static || instance_floors.is_empty() {
+            return Ok(());
+        }
+        let stream = StreamName::parse(&view.stream)?;
+        let group = GroupName::parse(&view.group)?;
+        let GroupConfig::Static(config) = self.load(&stream, &group, Some(GroupKind::Static)).await?.config else {
+            return Ok(());
+        };
+        let counts = self.static_pending(stream.as_str(), &config, instance_floors).await?;
+        for entry in &mut view.partition_pending {
+            if let Some(count) = counts.get(&entry.partition) {
+                entry.pending = Some(entry.pending.map_or(*count, |old| old.min(*count)));
+            }
+        }
+        Ok(())
+    }
+
     /// A static group's backlog per partition: messages of the partition
-    /// after its owner's ack floor, counted by the server through a
-    /// short-lived consumer starting there.
+    /// after the given floor, counted by the server through a short-lived
+    /// consumer starting there.
     async fn static_pending(
         &self,
         stream: &str,
         config: &StaticGroupConfig,
-        owner_of: &BTreeMap<u32, String>,
-        floors: &BTreeMap<String, u64>,
+        floor_of: &BTreeMap<u32, u64>,
     ) -> Result<BTreeMap<u32, u64>, ApiError> {
         let handle =
             self.js.get_stream_no_info(stream).await.map_err(|e| unavailable_or_internal("reading stream", e))?;
-        let counts = futures::stream::iter(0..config.max_members)
-            .map(|p| {
+        let counts = futures::stream::iter(floor_of.clone())
+            .map(|(p, floor)| {
                 let handle = handle.clone();
-                let floor = owner_of.get(&p).and_then(|m| floors.get(m)).copied().unwrap_or(0);
                 let filters: Vec<String> = if config.filters.is_empty() || !config.member_mappings.is_empty() {
                     vec![format!("{p}.>")]
                 } else {

@@ -1,6 +1,7 @@
 //! Partitioned consumer groups, wire-compatible with Go's pcgroups.
 
 pub mod admin;
+pub mod backlog;
 pub mod config;
 pub mod spec;
 pub mod view;

@@ -11,7 +11,7 @@ use crate::error::{ApiError, Problem};
 use crate::groups::admin::PutOutcome;
 use crate::groups::config::MemberMapping;
 use crate::groups::spec::Mapping;
-use crate::groups::view::{BlockedView, GroupSummary, GroupView, MembershipView};
+use crate::groups::view::{GroupSummary, GroupView, MembershipView};
 use crate::groups::{GroupKind, GroupSpec};
 use crate::member::control::{ask, BlockedPartition, Control};
 use crate::member::instance::MemberRef;
@@ -94,37 +94,8 @@ pub async fn get_group(
     Path((stream, group)): Path<(StreamName, GroupName)>,
     Query(query): Query<KindQuery>,
 ) -> Result<Json<GroupView>, ApiError> {
-    let mut view = state.groups.view(&stream, &group, query.kind).await?;
-    add_runtime_state(&state, &stream, &group, &mut view).await;
+    let view = crate::member::observe::observe(&state.groups, &state.nats, &stream, &group, query.kind).await?;
     Ok(Json(view))
-}
-
-/// Asks the keygate instances holding members' pins what they are doing.
-async fn add_runtime_state(state: &AppState, stream: &StreamName, group: &GroupName, view: &mut GroupView) {
-    let asks = view.assignment.iter().filter(|m| m.pinned_client_id.is_some()).filter_map(|m| {
-        let who =
-            MemberRef { stream: stream.clone(), group: group.clone(), member: MemberName::parse(&m.member).ok()? };
-        let nats = state.nats.clone();
-        Some(async move { (who.member.to_string(), ask(&nats, &who, &Control::Status).await) })
-    });
-    for (member, reply) in futures::future::join_all(asks).await {
-        let Some(reply) = reply else { continue };
-        if let Some(state) = view.assignment.iter_mut().find(|m| m.member == member) {
-            state.serving_instance = Some(reply.instance.clone());
-            state.fencing_token = Some(reply.fencing_token);
-        }
-        for b in reply.blocked {
-            view.blocked.push(BlockedView {
-                partition: b.partition,
-                member: member.clone(),
-                seq: b.seq,
-                since: b.since,
-                attempts: b.attempts,
-                last_error: b.last_error,
-            });
-        }
-    }
-    view.blocked.sort_by_key(|b| b.partition);
 }
 
 /// What a partition operation did.

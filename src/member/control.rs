@@ -46,6 +46,10 @@ pub struct ControlReply {
     pub holding: usize,
     #[serde(default)]
     pub fencing_token: u64,
+    /// Per partition, the highest sequence settled in order: a finer ack
+    /// floor than the consumer's, which one blocked partition holds back.
+    #[serde(default)]
+    pub floors: std::collections::BTreeMap<u32, u64>,
 }
 
 /// Asks the pinned instance of a member; `None` when no instance holds the pin.

@@ -321,10 +321,52 @@ struct Outstanding {
 /// an await.
 struct LaneState {
     lanes: Lanes<Held>,
-    blocked_reported: BTreeSet<u32>,
+    blocked_reported: BlockedPartitions,
     /// Partitions whose head an operator skipped while it was being
     /// delivered: it is dead-lettered when that attempt fails.
     skip_requested: BTreeSet<u32>,
+}
+
+/// Partitions reported blocked, mirrored in the blocked-partitions gauge
+/// (which drops back when the instance ends).
+struct BlockedPartitions {
+    set: BTreeSet<u32>,
+    gauge: metrics::Gauge,
+}
+
+impl BlockedPartitions {
+    fn new(who: &MemberRef) -> Self {
+        let gauge = metrics::gauge!(crate::metrics::BLOCKED_PARTITIONS,
+            "stream" => who.stream.to_string(), "group" => who.group.to_string(), "member" => who.member.to_string());
+        Self { set: BTreeSet::new(), gauge }
+    }
+
+    fn contains(&self, partition: &u32) -> bool {
+        self.set.contains(partition)
+    }
+
+    fn insert(&mut self, partition: u32) {
+        if self.set.insert(partition) {
+            self.gauge.increment(1.0);
+        }
+    }
+
+    fn remove(&mut self, partition: &u32) {
+        if self.set.remove(partition) {
+            self.gauge.decrement(1.0);
+        }
+    }
+
+    fn clear(&mut self) {
+        self.gauge.decrement(self.set.len() as f64);
+        self.set.clear();
+    }
+}
+
+impl Drop for BlockedPartitions {
+    fn drop(&mut self) {
+        self.clear();
+    }
 }
 
 /// What lane tasks need.
@@ -462,6 +504,7 @@ impl Session {
     ) -> Option<Self> {
         let keys = KeyLocator::for_group(&ctx, &config, who.stream.as_str()).await;
         let inbox = ctx.nats.new_inbox();
+        let blocked_reported = BlockedPartitions::new(&who);
         let shared = LaneShared {
             ctx,
             who,
@@ -469,7 +512,7 @@ impl Session {
             key: Arc::new(key),
             state: Arc::new(Mutex::new(LaneState {
                 lanes: Lanes::default(),
-                blocked_reported: BTreeSet::new(),
+                blocked_reported,
                 skip_requested: BTreeSet::new(),
             })),
             pinned: Arc::default(),
@@ -880,13 +923,18 @@ impl Session {
         }
         let Some(reply_to) = request.reply.clone() else { return };
         let Ok(control) = serde_json::from_slice::<Control>(&request.payload) else { return };
+        let (holding, floors) = {
+            let state = self.shared.lock();
+            (state.lanes.holding(), state.lanes.floors())
+        };
         let mut answer = ControlReply {
             instance: self.ctx().instance_id.clone(),
             ok: true,
             error: None,
             blocked: Vec::new(),
-            holding: self.shared.lock().lanes.holding(),
+            holding,
             fencing_token: self.shared.fencing.load(Ordering::Relaxed),
+            floors,
         };
         let head = |partition: u32| self.shared.lock().lanes.blocked_head(partition);
         match control {

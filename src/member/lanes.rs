@@ -182,6 +182,12 @@ impl<M: Clone> Lanes<M> {
         self.lanes.iter().filter_map(|(p, lane)| lane.blocked.clone().map(|b| (*p, b))).collect()
     }
 
+    /// Per partition, the highest sequence settled (every earlier message
+    /// of the partition this instance saw is settled too).
+    pub fn floors(&self) -> BTreeMap<u32, u64> {
+        self.lanes.iter().filter(|(_, lane)| lane.floor > 0).map(|(p, lane)| (*p, lane.floor)).collect()
+    }
+
     /// Holds or releases every lane (the handover barrier).
     pub fn set_barrier(&mut self, up: bool) {
         self.barrier = up;

@@ -8,5 +8,6 @@ pub mod deliver;
 pub mod fencing;
 pub mod instance;
 pub mod lanes;
+pub mod observe;
 pub mod pull;
 pub mod supervisor;

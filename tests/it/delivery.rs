@@ -449,3 +449,74 @@ async fn metrics_count_publishes_deliveries_and_requests_with_bounded_labels() {
     );
     assert!(!text.contains("user 1"), "keys never become labels");
 }
+
+/// The value of one sample line `name{labels} value` in a Prometheus text page.
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+#[tokio::test]
+async fn backlog_per_partition_and_blocked_partitions_are_gauges() {
+    let app = TestApp::start_with(|s| s.backlog_sample_interval = Some(Duration::from_millis(200))).await;
+    app.create_stream("ORDERS", json!({"subjects":["orders.*"],"partitions":PARTITIONS})).await;
+    let (status, _) =
+        app.put("/v1/streams/ORDERS/groups/g", json!({"kind":"static","partitions":PARTITIONS,"members":["m1"]})).await;
+    assert_eq!(status, 201);
+    let messages: Vec<(String, u64)> = (0..12).map(|n| (format!("k{n}"), n)).collect();
+    publish(&app, &messages).await;
+    let (_, view) = app.get("/v1/streams/ORDERS/groups/g").await;
+    let expected: Vec<(u64, f64)> = view["partition_pending"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p["partition"].as_u64().unwrap(), p["pending"].as_f64().unwrap()))
+        .collect();
+    assert_eq!(expected.iter().map(|(_, n)| n).sum::<f64>(), 12.0);
+    eventually(Duration::from_secs(10), || async {
+        let text = app.http.get(app.url("/metrics")).send().await.ok()?.text().await.ok()?;
+        expected
+            .iter()
+            .all(|(p, n)| {
+                let series =
+                    format!(r#"keygate_partition_pending_messages{{stream="ORDERS",group="g",partition="{p}"}}"#);
+                sample(&text, &series) == Some(*n)
+            })
+            .then_some(())
+    })
+    .await;
+
+    // A receiver failing one key blocks that key's partition.
+    let receiver =
+        Receiver::start(|r, _| if r.header("keygate-key") == Some("k3") { Answer::status(500) } else { Answer::ok() })
+            .await;
+    let hook =
+        json!({"url": receiver.url("/hook"), "max_attempts": 1000, "backoff": {"initial_ms": 200, "max_ms": 400}});
+    assert_eq!(app.put("/v1/streams/ORDERS/groups/g/members/m1/webhook", hook).await.0, 201);
+    let blocked = r#"keygate_blocked_partitions{stream="ORDERS",group="g",member="m1"}"#;
+    let pending_of =
+        |p: u64| format!(r#"keygate_partition_pending_messages{{stream="ORDERS",group="g",partition="{p}"}}"#);
+    let k3_partition = u64::from(partition_of_tokens([encode_key("k3").unwrap().as_str()], PARTITIONS));
+    eventually(Duration::from_secs(15), || async {
+        let text = app.http.get(app.url("/metrics")).send().await.ok()?.text().await.ok()?;
+        let others_drained = (0..u64::from(PARTITIONS))
+            .filter(|p| *p != k3_partition)
+            .all(|p| sample(&text, &pending_of(p)) == Some(0.0));
+        (sample(&text, blocked) == Some(1.0) && others_drained && sample(&text, &pending_of(k3_partition)) >= Some(1.0))
+            .then_some(())
+    })
+    .await;
+    // The instance ends with its webhook; its blocked count goes with it.
+    assert_eq!(app.delete("/v1/streams/ORDERS/groups/g/members/m1/webhook").await.0, 204);
+    eventually(Duration::from_secs(15), || async {
+        let text = app.http.get(app.url("/metrics")).send().await.ok()?.text().await.ok()?;
+        (sample(&text, blocked) == Some(0.0)).then_some(())
+    })
+    .await;
+    // A deleted group's gauges fall to zero instead of keeping their last value.
+    assert_eq!(app.delete("/v1/streams/ORDERS/groups/g").await.0, 204);
+    eventually(Duration::from_secs(10), || async {
+        let text = app.http.get(app.url("/metrics")).send().await.ok()?.text().await.ok()?;
+        (sample(&text, &pending_of(k3_partition)) == Some(0.0)).then_some(())
+    })
+    .await;
+}

@@ -1,0 +1,55 @@
+//! A group as it is right now: what NATS stores and counts, completed by
+//! what the instances holding members' pins report (who serves, blocked
+//! partitions, per-partition floors that sharpen the backlog count).
+
+use std::collections::BTreeMap;
+
+use crate::error::ApiError;
+use crate::groups::view::{BlockedView, GroupView};
+use crate::groups::{GroupAdmin, GroupKind};
+use crate::member::control::{ask, Control};
+use crate::member::instance::MemberRef;
+use crate::names::{GroupName, MemberName, StreamName};
+
+/// The group's view with its serving instances' state.
+pub async fn observe(
+    groups: &GroupAdmin,
+    nats: &async_nats::Client,
+    stream: &StreamName,
+    group: &GroupName,
+    kind: Option<GroupKind>,
+) -> Result<GroupView, ApiError> {
+    let mut view = groups.view(stream, group, kind).await?;
+    let asks = view.assignment.iter().filter(|m| m.pinned_client_id.is_some()).filter_map(|m| {
+        let who =
+            MemberRef { stream: stream.clone(), group: group.clone(), member: MemberName::parse(&m.member).ok()? };
+        Some(async move { (who.member.to_string(), ask(nats, &who, &Control::Status).await) })
+    });
+    let mut floors = BTreeMap::new();
+    for (member, reply) in futures::future::join_all(asks).await {
+        let Some(reply) = reply else { continue };
+        if let Some(state) = view.assignment.iter_mut().find(|m| m.member == member) {
+            state.serving_instance = Some(reply.instance.clone());
+            state.fencing_token = Some(reply.fencing_token);
+            // Only the member's own partitions: a reply from a stale
+            // instance must not lower another member's count.
+            let owned = state.partitions.clone();
+            floors.extend(reply.floors.into_iter().filter(|(p, _)| owned.contains(p)));
+        }
+        for b in reply.blocked {
+            view.blocked.push(BlockedView {
+                partition: b.partition,
+                member: member.clone(),
+                seq: b.seq,
+                since: b.since,
+                attempts: b.attempts,
+                last_error: b.last_error,
+            });
+        }
+    }
+    view.blocked.sort_by_key(|b| b.partition);
+    if let Err(e) = groups.recount_static_pending(&mut view, &floors).await {
+        tracing::warn!(%stream, %group, error = %e, "could not recount the backlog from instance floors");
+    }
+    Ok(view)
+}
