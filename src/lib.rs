@@ -3,6 +3,7 @@
 
 pub mod app;
 pub mod auth;
+pub mod cli;
 pub mod config;
 pub mod delivery;
 pub mod error;

@@ -26,6 +26,13 @@ struct Cli {
     command: Command,
 }
 
+/// Admin commands' connection and output flags.
+#[derive(clap::Args)]
+struct AdminFlags {
+    #[command(flatten)]
+    args: keygate::cli::AdminArgs,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Run the HTTP API (and, without --nats-url, a local nats-server).
@@ -35,6 +42,27 @@ enum Command {
         /// Write here instead of standard output.
         #[arg(long)]
         output: Option<PathBuf>,
+    },
+    /// Static partitioned consumer groups (as pcgroups' `cg static`).
+    Static {
+        #[command(flatten)]
+        flags: AdminFlags,
+        #[command(subcommand)]
+        command: keygate::cli::StaticCommand,
+    },
+    /// Elastic partitioned consumer groups (as pcgroups' `cg elastic`).
+    Elastic {
+        #[command(flatten)]
+        flags: AdminFlags,
+        #[command(subcommand)]
+        command: keygate::cli::ElasticCommand,
+    },
+    /// Streams.
+    Streams {
+        #[command(flatten)]
+        flags: AdminFlags,
+        #[command(subcommand)]
+        command: keygate::cli::StreamsCommand,
     },
     /// Exit 0 when a running keygate answers /healthz (for container health checks).
     Healthcheck {
@@ -220,6 +248,15 @@ async fn healthcheck(listen: SocketAddr) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Admin commands print a one-line error and exit 1, without a backtrace.
+async fn admin(flags: &AdminFlags, command: keygate::cli::AdminCommand) -> anyhow::Result<()> {
+    if let Err(e) = keygate::cli::run(&flags.args, command).await {
+        eprintln!("keygate: {e:#}");
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
@@ -246,6 +283,9 @@ async fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
+        Command::Static { flags, command } => admin(&flags, keygate::cli::AdminCommand::Static(command)).await,
+        Command::Elastic { flags, command } => admin(&flags, keygate::cli::AdminCommand::Elastic(command)).await,
+        Command::Streams { flags, command } => admin(&flags, keygate::cli::AdminCommand::Streams(command)).await,
         Command::Healthcheck { listen, admin_listen } => healthcheck(admin_listen.unwrap_or(listen)).await,
     }
 }

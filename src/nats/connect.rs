@@ -9,9 +9,17 @@ use crate::config::NatsAuth;
 /// Connects to `url`, retrying in the background when the servers are not up
 /// yet, so keygate starts and reports not-ready instead of exiting.
 pub async fn connect(url: &str, auth: &NatsAuth) -> anyhow::Result<async_nats::Client> {
+    connect_with(url, auth, true).await
+}
+
+/// Connects once, failing when no server answers (for one-shot commands).
+pub async fn connect_once(url: &str, auth: &NatsAuth) -> anyhow::Result<async_nats::Client> {
+    connect_with(url, auth, false).await
+}
+
+async fn connect_with(url: &str, auth: &NatsAuth, retry_initial: bool) -> anyhow::Result<async_nats::Client> {
     let mut options = async_nats::ConnectOptions::new()
         .name("keygate")
-        .retry_on_initial_connect()
         .connection_timeout(Duration::from_secs(5))
         .request_timeout(Some(Duration::from_secs(5)))
         .event_callback(|event| async move {
@@ -21,6 +29,9 @@ pub async fn connect(url: &str, auth: &NatsAuth) -> anyhow::Result<async_nats::C
                 other => tracing::debug!(event = %other, "NATS event"),
             }
         });
+    if retry_initial {
+        options = options.retry_on_initial_connect();
+    }
     if let Some(token) = &auth.token {
         options = options.token(token.clone());
     }

@@ -34,6 +34,9 @@ pub struct EmbeddedServer {
     supervisor: tokio::task::JoinHandle<()>,
 }
 
+/// The file in the store directory holding the running embedded server's URL.
+pub const URL_FILE: &str = "url";
+
 impl EmbeddedServer {
     /// Starts nats-server and returns once it accepts connections; a task keeps
     /// it running until `shutdown` is cancelled.
@@ -50,6 +53,10 @@ impl EmbeddedServer {
         let child = launch.spawn_and_wait().await?;
         let url = format!("nats://127.0.0.1:{port}");
         tracing::info!(%url, store = %store_dir.display(), "embedded nats-server is up");
+        // The admin commands find the embedded server through this file.
+        if let Err(e) = std::fs::write(store_dir.join(URL_FILE), &url) {
+            tracing::warn!(error = %e, "could not record the embedded server's URL");
+        }
         let supervisor = tokio::spawn(supervise(launch, child, shutdown));
         Ok(Self { url, supervisor })
     }

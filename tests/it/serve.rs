@@ -46,6 +46,15 @@ async fn serve_without_a_url_runs_supervises_and_stops_its_own_nats_server() {
     assert_eq!(created.status(), 201);
     let store = data.path().join("nats");
     assert!(store.join("jetstream").exists(), "the store is under --data-dir");
+    // The admin commands find the embedded server through the data directory.
+    let listing = keygate()
+        .args(["streams", "ls", "--data-dir"])
+        .arg(data.path())
+        .env_remove("KEYGATE_NATS_URL")
+        .output()
+        .unwrap();
+    assert!(listing.status.success(), "{}", String::from_utf8_lossy(&listing.stderr));
+    assert!(String::from_utf8_lossy(&listing.stdout).contains("ORDERS"));
 
     // Kill the embedded server: keygate restarts it and becomes ready again,
     // with the stream still there (file store).
