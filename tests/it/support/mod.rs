@@ -253,6 +253,11 @@ pub struct KeygateProcess {
 
 impl KeygateProcess {
     pub fn start(nats_url: &str, instance_id: &str) -> Self {
+        Self::start_logging(nats_url, instance_id, "warn", &[], Stdio::null())
+    }
+
+    /// Starts with a log filter, extra flags, and standard output (where logs go) sent to `logs`.
+    pub fn start_logging(nats_url: &str, instance_id: &str, filter: &str, extra: &[&str], logs: Stdio) -> Self {
         let port = free_port();
         let child = Command::new(env!("CARGO_BIN_EXE_keygate"))
             .args([
@@ -264,8 +269,9 @@ impl KeygateProcess {
                 "--instance-id",
                 instance_id,
             ])
-            .env("KEYGATE_LOG", "warn")
-            .stdout(Stdio::null())
+            .args(extra)
+            .env("KEYGATE_LOG", filter)
+            .stdout(logs)
             .stderr(Stdio::null())
             .spawn()
             .expect("starting keygate");
@@ -279,6 +285,18 @@ impl KeygateProcess {
             (r.status() == 200).then_some(())
         })
         .await;
+    }
+
+    /// SIGTERM, then waits for the exit status.
+    pub async fn terminate(mut self) -> std::process::ExitStatus {
+        Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap();
+        let mut child = std::mem::replace(&mut self.child, Command::new("true").spawn().unwrap());
+        tokio::task::spawn_blocking(move || child.wait()).await.unwrap().unwrap()
+    }
+
+    /// Takes the process's standard output (when started with a pipe).
+    pub fn take_stdout(&mut self) -> Option<std::process::ChildStdout> {
+        self.child.stdout.take()
     }
 
     /// SIGKILL: no shutdown, no acks, no unpin.
