@@ -2,6 +2,7 @@
 //! token.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use std::future::IntoFuture as _;
 
@@ -32,6 +33,10 @@ pub struct AppState {
     pub groups: GroupAdmin,
     pub webhooks: WebhookStore,
     pub events: EventBus,
+    /// What member instances share (set once keygate is connected).
+    pub instances: Option<Arc<InstanceContext>>,
+    /// WebSocket member connections, awaited at shutdown.
+    pub connections: tokio_util::task::TaskTracker,
     /// Verifies bearer tokens; `None` runs the API open.
     pub verifier: Option<Arc<Verifier>>,
     /// Cancelled when keygate shuts down (ends long-lived responses).
@@ -55,6 +60,8 @@ impl AppState {
             webhooks: WebhookStore::new(js.clone(), policy),
             events: EventBus::new(nats.clone()),
             verifier: verifier.map(Arc::new),
+            instances: None,
+            connections: tokio_util::task::TaskTracker::new(),
             nats,
             js,
             shutdown,
@@ -93,7 +100,7 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
         }
     };
     let nats = connect(&url, &auth).await?;
-    let state = AppState::new(settings, nats.clone(), verifier, shutdown.clone());
+    let mut state = AppState::new(settings, nats.clone(), verifier, shutdown.clone());
     let instances = Arc::new(InstanceContext {
         js: state.js.clone(),
         nats: nats.clone(),
@@ -109,6 +116,7 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
         hold_cap: state.settings.hold_cap,
         shutdown_grace: state.settings.delivery_grace,
     });
+    state.instances = Some(instances.clone());
     // Members wind down as soon as shutdown starts, beside the HTTP drain.
     let members_token = shutdown.child_token();
     let members = tokio::spawn(crate::member::supervisor::supervise(instances, members_token.clone()));
@@ -129,6 +137,8 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
             axum::serve(admin_listener, app).with_graceful_shutdown(shutdown.clone().cancelled_owned()).into_future(),
         )
     });
+    let connections = state.connections.clone();
+    let grace = state.settings.delivery_grace;
     let app = crate::http::router(state);
     tracing::info!(%address, "keygate listening");
     let server = axum::serve(listener, app).with_graceful_shutdown(shutdown.clone().cancelled_owned());
@@ -145,6 +155,12 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
     }
     members_token.cancel();
     let _ = members.await;
+    // axum does not wait for upgraded connections: WebSocket members finish
+    // their deliveries and get a Close frame before NATS is drained.
+    connections.close();
+    if tokio::time::timeout(grace + Duration::from_secs(2), connections.wait()).await.is_err() {
+        tracing::warn!("WebSocket connections still open at shutdown; closing anyway");
+    }
     if let Some(backlog) = backlog {
         let _ = backlog.await;
     }

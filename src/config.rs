@@ -56,6 +56,10 @@ pub struct Settings {
     pub admin_listen: Option<SocketAddr>,
     /// How often groups' backlog per partition is sampled into metrics (`None`: never).
     pub backlog_sample_interval: Option<Duration>,
+    /// Browser origins allowed to open WebSocket members (besides keygate's own origin; `*`: any).
+    pub ws_allowed_origins: Vec<String>,
+    /// How often WebSocket members are pinged; two intervals without a word close the connection.
+    pub ws_ping_interval: Duration,
 }
 
 impl Settings {
@@ -75,6 +79,8 @@ impl Settings {
             allow_unauthenticated: false,
             admin_listen: None,
             backlog_sample_interval: Some(Duration::from_secs(15)),
+            ws_allowed_origins: Vec::new(),
+            ws_ping_interval: Duration::from_secs(15),
         }
     }
 }

@@ -35,6 +35,9 @@ pub enum ApiError {
     /// 403: a verified token without the scope this request needs.
     #[error("this request needs the scope `{scope}`")]
     Forbidden { scope: String },
+    /// 403: a browser origin not allowed to open WebSocket members.
+    #[error("{0}")]
+    OriginNotAllowed(String),
     /// 404: the stream, group, member or route is unknown.
     #[error("{0}")]
     NotFound(String),
@@ -67,7 +70,7 @@ impl ApiError {
         match self {
             Self::BadRequest(_) => StatusCode::BAD_REQUEST,
             Self::MissingToken | Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,
-            Self::Forbidden { .. } => StatusCode::FORBIDDEN,
+            Self::Forbidden { .. } | Self::OriginNotAllowed(_) => StatusCode::FORBIDDEN,
             Self::NotFound(_) => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::Conflict(_) => StatusCode::CONFLICT,
@@ -84,6 +87,7 @@ impl ApiError {
             Self::BadRequest(_) => "invalid-request",
             Self::MissingToken | Self::Unauthorized(_) => "unauthorized",
             Self::Forbidden { .. } => "forbidden",
+            Self::OriginNotAllowed(_) => "origin-not-allowed",
             Self::NotFound(_) => "not-found",
             Self::MethodNotAllowed(_) => "method-not-allowed",
             Self::Conflict(_) => "conflict",

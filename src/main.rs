@@ -160,6 +160,12 @@ struct ServeArgs {
     /// Seconds between samples of every group's backlog per partition for /metrics (0: off).
     #[arg(long, env = "KEYGATE_BACKLOG_SAMPLE_SECS", default_value_t = 15)]
     backlog_sample_secs: u64,
+    /// Browser origins allowed to open WebSocket members, comma-separated (keygate's own origin always is; `*`: any).
+    #[arg(long, env = "KEYGATE_WS_ALLOWED_ORIGINS", value_delimiter = ',')]
+    ws_allowed_origins: Vec<String>,
+    /// Seconds between pings to WebSocket members; two without an answer close the connection.
+    #[arg(long, env = "KEYGATE_WS_PING_SECS", default_value_t = 15)]
+    ws_ping_secs: u64,
     /// Log format.
     #[arg(long, env = "KEYGATE_LOG_FORMAT", value_enum, default_value = "pretty")]
     log_format: LogFormat,
@@ -207,6 +213,8 @@ impl ServeArgs {
             },
             allow_unauthenticated: self.allow_unauthenticated,
             admin_listen: self.admin_listen,
+            ws_allowed_origins: self.ws_allowed_origins.clone(),
+            ws_ping_interval: Duration::from_secs(self.ws_ping_secs.max(1)),
             backlog_sample_interval: (self.backlog_sample_secs > 0)
                 .then(|| Duration::from_secs(self.backlog_sample_secs)),
         }

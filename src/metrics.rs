@@ -26,6 +26,8 @@ pub const MEMBER_INSTANCES: &str = "keygate_member_instances";
 pub const BLOCKED_PARTITIONS: &str = "keygate_blocked_partitions";
 /// Messages not yet delivered per partition of a group (sampled).
 pub const PARTITION_PENDING: &str = "keygate_partition_pending_messages";
+/// Open WebSocket member connections.
+pub const WS_CONNECTIONS: &str = "keygate_websocket_connections";
 /// HTTP requests by route template, method and status.
 pub const HTTP_REQUESTS: &str = "keygate_http_requests_total";
 /// HTTP request latency by route template and method.

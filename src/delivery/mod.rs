@@ -1,11 +1,13 @@
 //! Where messages go: webhooks (signing, verdicts, the hardened client,
-//! destination policy) and the dead-letter stream.
+//! destination policy), WebSocket connections, and the dead-letter stream.
 
 pub mod dead_letter;
 pub mod destination;
+pub mod endpoint;
 pub mod signing;
 pub mod verdict;
 pub mod webhook;
+pub mod websocket;
 
 /// A value fit for an HTTP header: visible ASCII kept, everything else
 /// (including `%`) percent-escaped as UTF-8.

@@ -90,7 +90,13 @@ pub async fn authorize(
     } else {
         HashMap::new()
     };
-    let token = bearer_token(&request).or_else(|| query.remove("access_token"));
+    let token = bearer_token(&request).or_else(|| query.remove("access_token")).or_else(|| {
+        if access.accepts_query_token() {
+            subprotocol_token(&request)
+        } else {
+            None
+        }
+    });
     let Some(token) = token else { return ApiError::MissingToken.into_response() };
     let caller = match verifier.verify(&token) {
         Ok(caller) => caller,
@@ -148,6 +154,13 @@ fn bearer_token(request: &Request) -> Option<String> {
     scheme.eq_ignore_ascii_case("bearer").then(|| token.trim().to_owned()).filter(|t| !t.is_empty())
 }
 
+/// A WebSocket client's token offered as the subprotocol `bearer.<jwt>`
+/// (beside `keygate.v1`, the one keygate answers with).
+fn subprotocol_token(request: &Request) -> Option<String> {
+    let offered = request.headers().get(header::SEC_WEBSOCKET_PROTOCOL)?.to_str().ok()?;
+    offered.split(',').map(str::trim).find_map(|p| p.strip_prefix("bearer.")).map(str::to_owned)
+}
+
 /// Publishes the access table in the document: the bearer scheme, each
 /// operation's scope, and its 401/403 answers.
 pub fn document_security(doc: &mut OpenApi) {
@@ -162,7 +175,7 @@ pub fn document_security(doc: &mut OpenApi) {
                     "A JWT whose `scope` (space-separated) or `scopes` (array) claim grants: `keygate:admin` \
                      (everything), `publish:<stream>`, `consume:<stream>/<group>`; a trailing `*` is a wildcard \
                      (`publish:*`). The events and WebSocket routes also take it as the `access_token` query \
-                     parameter. Required only when keygate is configured with verification keys.",
+                     parameter, or the WebSocket route as the subprotocol `bearer.<jwt>` offered beside `keygate.v1`. Required only when keygate is configured with verification keys.",
                 ))
                 .build(),
         ),

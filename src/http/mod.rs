@@ -9,6 +9,7 @@ pub mod health;
 pub mod messages;
 pub mod streams;
 pub mod webhooks;
+pub mod ws;
 
 use axum::extract::DefaultBodyLimit;
 use axum::response::{IntoResponse, Response};
@@ -36,6 +37,7 @@ use crate::error::ApiError;
         (name = "messages", description = "Keyed publishing"),
         (name = "groups", description = "Partitioned consumer groups (pcgroups-compatible)"),
         (name = "webhooks", description = "Members served by webhook URLs"),
+        (name = "websocket", description = "Members served over WebSocket"),
         (name = "events", description = "Pin, assignment and verdict events"),
         (name = "health", description = "Liveness and readiness")
     )
@@ -60,6 +62,7 @@ pub fn api() -> (Router<AppState>, utoipa::openapi::OpenApi) {
         .routes(routes!(groups::skip_partition))
         .routes(routes!(groups::retry_partition_now))
         .routes(routes!(webhooks::put_webhook, webhooks::get_webhook, webhooks::delete_webhook))
+        .routes(routes!(ws::join_member))
         .routes(routes!(events::events))
         .split_for_parts();
     auth::document_security(&mut doc);

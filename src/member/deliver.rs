@@ -10,10 +10,10 @@ use async_nats::jetstream::{self, AckKind};
 use super::instance::{InstanceContext, MemberRef};
 use super::lanes::Settled;
 use crate::delivery::dead_letter::{self, DeadLetter};
+use crate::delivery::endpoint::Endpoint;
 use crate::delivery::header_safe;
-use crate::delivery::signing::SigningKey;
 use crate::delivery::verdict::{backoff, Verdict};
-use crate::delivery::webhook::{Outbound, Registration};
+use crate::delivery::webhook::Outbound;
 use crate::events::{Event, EventType};
 
 /// A message delivered to this instance.
@@ -44,7 +44,7 @@ pub struct Outcome {
 /// work-queue copy names its source in `Nats-Stream-Source`.
 /// Whether a message header may go to the endpoint: not NATS's own, not
 /// keygate's or the signature's, not one that frames the HTTP request.
-fn forwardable(name: &str) -> bool {
+pub(crate) fn forwardable(name: &str) -> bool {
     let lower = name.to_ascii_lowercase();
     const FRAMING: [&str; 9] = [
         "host",
@@ -113,15 +113,18 @@ fn outbound(who: &MemberRef, held: &Delivered, fencing: u64) -> Outbound {
 pub async fn deliver(
     ctx: Arc<InstanceContext>,
     who: MemberRef,
-    registration: Arc<Registration>,
-    key: Arc<SigningKey>,
+    endpoint: Arc<Endpoint>,
     held: Held,
     fencing: u64,
 ) -> Outcome {
-    let outbound = outbound(&who, &held, fencing);
     let labels = [("stream", who.stream.to_string()), ("group", who.group.to_string())];
     let called = std::time::Instant::now();
-    let judgement = ctx.webhooks.call(&registration, &key, &outbound).await;
+    let judgement = match &*endpoint {
+        Endpoint::Webhook { registration, key } => {
+            ctx.webhooks.call(registration, key, &outbound(&who, &held, fencing)).await
+        }
+        Endpoint::Socket(socket) => socket.call(&who, &held, fencing).await,
+    };
     metrics::histogram!(crate::metrics::ENDPOINT_SECONDS, &labels).record(called.elapsed().as_secs_f64());
     if held.attempt > 1 {
         metrics::counter!(crate::metrics::REDELIVERIES, &labels).increment(1);
@@ -136,7 +139,7 @@ pub async fn deliver(
     let mut events = Vec::new();
     let retry = |delay: Option<Duration>| {
         delay.unwrap_or_else(|| {
-            let b = registration.backoff;
+            let b = endpoint.backoff();
             backoff(held.attempt, Duration::from_millis(b.initial_ms), Duration::from_millis(b.max_ms), rand::random())
         })
     };
@@ -150,7 +153,7 @@ pub async fn deliver(
             events.push(e);
             Settled::Done
         }
-        Verdict::Nak { .. } | Verdict::Progress if held.attempt >= registration.max_attempts => {
+        Verdict::Nak { .. } | Verdict::Progress if held.attempt >= endpoint.max_attempts() => {
             let reason = format!("gave up after {} attempts: {}", held.attempt, judgement.reason);
             terminate(&ctx, &who, &held, &reason, retry(None), &mut events, event(EventType::MessageNaked)).await
         }

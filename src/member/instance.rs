@@ -26,8 +26,10 @@ use super::deliver::{dead_letter_and_term, deliver, origin_of, Delivered, Held, 
 use super::fencing::next_token;
 use super::lanes::{Blocked, Lanes, Offered, Settled};
 use super::pull::{classify, next_subject, PullRequest, Reply};
+use crate::delivery::endpoint::Endpoint;
 use crate::delivery::signing::SigningKey;
 use crate::delivery::webhook::{registration_key, Registration, WebhookClient, WebhookStore};
+use crate::delivery::websocket::ServerFrame;
 use crate::events::{Event, EventBus, EventType};
 use crate::groups::admin::{filter_subjects_of, DEFAULT_ACK_WAIT_MS};
 use crate::groups::config::{config_key, ELASTIC_BUCKET, STATIC_BUCKET};
@@ -108,6 +110,17 @@ pub async fn serve_webhook(
             return;
         }
     };
+    serve_member(ctx, who, Arc::new(Endpoint::Webhook { registration, key }), cancel).await;
+}
+
+/// Serves `who` through `endpoint` until `cancel`: joins the member's
+/// consumer, runs sessions, and follows rebalances.
+pub async fn serve_member(
+    ctx: Arc<InstanceContext>,
+    who: MemberRef,
+    endpoint: Arc<Endpoint>,
+    cancel: CancellationToken,
+) {
     let gauge = metrics::gauge!(crate::metrics::MEMBER_INSTANCES, "stream" => who.stream.to_string(), "group" => who.group.to_string());
     gauge.increment(1.0);
     struct Running(metrics::Gauge);
@@ -144,6 +157,15 @@ pub async fn serve_webhook(
             let mut e = who.event(&ctx, EventType::AssignmentChanged);
             e.partitions = Some(partitions.clone());
             ctx.events.emit(e);
+            let before = last_partitions.clone().unwrap_or_default();
+            let gained: Vec<u32> = partitions.iter().copied().filter(|p| !before.contains(p)).collect();
+            let lost: Vec<u32> = before.iter().copied().filter(|p| !partitions.contains(p)).collect();
+            if !lost.is_empty() {
+                endpoint.notify(|| ServerFrame::Revoked { partitions: lost });
+            }
+            if !gained.is_empty() {
+                endpoint.notify(|| ServerFrame::Assigned { partitions: gained });
+            }
             last_partitions = Some(partitions.clone());
         }
         let joined =
@@ -174,8 +196,7 @@ pub async fn serve_webhook(
         let session = Session::new(
             ctx.clone(),
             who.clone(),
-            registration.clone(),
-            key.clone(),
+            endpoint.clone(),
             group.config,
             group.revision,
             stream_name.clone(),
@@ -192,7 +213,9 @@ pub async fn serve_webhook(
         match session.run(&cancel).await {
             SessionEnd::Shutdown => return,
             SessionEnd::Gone => {
-                deregister(&ctx, &who, &registration).await;
+                if let Endpoint::Webhook { registration, .. } = &*endpoint {
+                    deregister(&ctx, &who, registration).await;
+                }
                 return;
             }
             SessionEnd::ConsumerGone => {
@@ -374,8 +397,7 @@ impl Drop for BlockedPartitions {
 struct LaneShared {
     ctx: Arc<InstanceContext>,
     who: MemberRef,
-    registration: Arc<Registration>,
-    key: Arc<SigningKey>,
+    endpoint: Arc<Endpoint>,
     state: Arc<Mutex<LaneState>>,
     /// Whether this instance holds the pin (lanes stop when it does not).
     pinned: Arc<AtomicBool>,
@@ -398,14 +420,7 @@ async fn run_lane(shared: LaneShared, partition: u32, first: (u64, Held)) {
     let mut next = Some(first);
     while let Some((seq, held)) = next {
         let fencing = shared.fencing.load(Ordering::Relaxed);
-        let delivery = deliver(
-            shared.ctx.clone(),
-            shared.who.clone(),
-            shared.registration.clone(),
-            shared.key.clone(),
-            held.clone(),
-            fencing,
-        );
+        let delivery = deliver(shared.ctx.clone(), shared.who.clone(), shared.endpoint.clone(), held.clone(), fencing);
         // A panic must not leave the partition marked in flight for ever.
         let outcome = match std::panic::AssertUnwindSafe(delivery).catch_unwind().await {
             Ok(outcome) => outcome,
@@ -494,8 +509,7 @@ impl Session {
     async fn new(
         ctx: Arc<InstanceContext>,
         who: MemberRef,
-        registration: Registration,
-        key: SigningKey,
+        endpoint: Arc<Endpoint>,
         config: GroupConfig,
         revision: u64,
         stream_name: String,
@@ -508,8 +522,7 @@ impl Session {
         let shared = LaneShared {
             ctx,
             who,
-            registration: Arc::new(registration),
-            key: Arc::new(key),
+            endpoint,
             state: Arc::new(Mutex::new(LaneState {
                 lanes: Lanes::default(),
                 blocked_reported,
@@ -722,8 +735,12 @@ impl Session {
         let mut e = self.who().event(self.ctx(), EventType::MemberPinned);
         e.pin_id = Some(pin);
         e.fencing_token = (!self.token_pending).then(|| self.shared.fencing.load(Ordering::Relaxed));
-        e.partitions = Some(owned_partitions(&self.config, self.who().member.as_str()));
+        let partitions = owned_partitions(&self.config, self.who().member.as_str());
+        e.partitions = Some(partitions.clone());
+        let fencing_token = e.fencing_token;
         self.ctx().events.emit(e);
+        let instance = self.ctx().instance_id.clone();
+        self.shared.endpoint.notify(|| ServerFrame::Pinned { partitions, fencing_token, instance });
     }
 
     fn count_pin_change(&self, change: &'static str) {
@@ -770,6 +787,8 @@ impl Session {
         let mut e = self.who().event(self.ctx(), EventType::MemberUnpinned);
         e.reason = Some(why.to_owned());
         self.ctx().events.emit(e);
+        let partitions = owned_partitions(&self.config, self.who().member.as_str());
+        self.shared.endpoint.notify(|| ServerFrame::Standby { partitions });
     }
 
     fn take(&mut self, reply: async_nats::Message) {
@@ -876,7 +895,8 @@ impl Session {
             (state.lanes.barrier(), state.lanes.holding() + state.lanes.awaiting())
         };
         let barrier = self.pin.is_some() && barrier;
-        if !barrier && self.pin.is_some() {
+        // A standby only waits: the pin comes to it through its pulls.
+        if (!barrier && self.pin.is_some()) || (self.pin.is_none() && self.standby) {
             return;
         }
         // `ours` was counted before asking, so messages arriving meanwhile
@@ -897,6 +917,8 @@ impl Session {
         if pinned_elsewhere && quiet && !self.standby {
             self.standby = true;
             self.ctx().events.emit(self.who().event(self.ctx(), EventType::MemberStandby));
+            let partitions = owned_partitions(&self.config, self.who().member.as_str());
+            self.shared.endpoint.notify(|| ServerFrame::Standby { partitions });
         }
     }
 

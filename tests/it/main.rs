@@ -11,3 +11,4 @@ mod publish;
 mod serve;
 mod streams;
 mod support;
+mod websocket;

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod receiver;
+pub mod ws;
 
 use std::net::TcpListener as StdListener;
 use std::path::PathBuf;
@@ -153,6 +154,11 @@ impl TestApp {
             assert!(Instant::now() < deadline, "keygate did not become ready");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// Starts keygate's shutdown (as SIGTERM does).
+    pub fn shutdown(&self) {
+        self.shutdown.cancel();
     }
 
     pub fn url(&self, path: &str) -> String {

@@ -1,0 +1,245 @@
+//! `GET …/members/{member}/ws`: a WebSocket connection becomes an instance
+//! of a member. Several connections of one member share it through the
+//! pin: one is served, the others stand by.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket, WebSocketUpgrade};
+use axum::extract::State;
+use axum::http::{header, HeaderMap};
+use axum::response::Response;
+use futures::{SinkExt, StreamExt};
+use serde::Deserialize;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use utoipa::IntoParams;
+
+use super::extract::{Path, Query};
+use crate::app::AppState;
+use crate::delivery::endpoint::Endpoint;
+use crate::delivery::webhook::Backoff;
+use crate::delivery::websocket::{ClientFrame, ServerFrame, SocketEndpoint};
+use crate::error::{ApiError, Problem};
+use crate::member::instance::{serve_member, InstanceContext, MemberRef};
+use crate::names::{GroupName, MemberName, StreamName};
+
+/// The subprotocol keygate speaks (offered by clients that also pass their
+/// token as a `bearer.<jwt>` subprotocol).
+pub const SUBPROTOCOL: &str = "keygate.v1";
+/// Message frames queued per connection before its partitions wait.
+const MESSAGE_QUEUE: usize = 32;
+/// Status frames queued per connection.
+const STATUS_QUEUE: usize = 32;
+
+/// Options of a WebSocket member.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct JoinOptions {
+    /// Deliveries of one message before it is dead-lettered (1–1000, default 10).
+    pub max_attempts: Option<u64>,
+    /// The bearer token, for browsers (which cannot set headers on a WebSocket).
+    pub access_token: Option<String>,
+}
+
+/// Joins a group as an instance of `member` over a WebSocket. Server
+/// frames: `message`, `pinned`, `standby`, `assigned`, `revoked`, `event`,
+/// `error`; client frames: `ack`, `nak` (with `delay_ms`), `term`,
+/// `progress`, each naming a message `id`. Each partition has one message
+/// in flight; a NAK'd message is never overtaken; un-acked messages come
+/// again, in order, to whichever connection holds the pin next.
+#[utoipa::path(
+    get,
+    path = "/v1/streams/{stream}/groups/{group}/members/{member}/ws",
+    tag = "websocket",
+    params(("stream" = String, Path), ("group" = String, Path), ("member" = String, Path), JoinOptions),
+    responses(
+        (status = 101, description = "switching to the WebSocket protocol"),
+        (status = 400, description = "not a WebSocket upgrade, or invalid options", body = Problem, content_type = "application/problem+json"),
+        (status = 403, description = "the Origin is not allowed", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "unknown stream, group or member", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn join_member(
+    State(state): State<AppState>,
+    Path((stream, group, member)): Path<(StreamName, GroupName, MemberName)>,
+    Query(options): Query<JoinOptions>,
+    headers: HeaderMap,
+    upgrade: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
+) -> Result<Response, ApiError> {
+    let upgrade =
+        upgrade.map_err(|e| ApiError::BadRequest(format!("this route opens a WebSocket: {}", e.body_text())))?;
+    check_origin(&headers, &state.settings.ws_allowed_origins)?;
+    let max_attempts = options.max_attempts.unwrap_or(10);
+    if !(1..=1000).contains(&max_attempts) {
+        return Err(ApiError::BadRequest("max_attempts must be between 1 and 1000".into()));
+    }
+    let stored = state.groups.load(&stream, &group, None).await?;
+    let in_membership = stored.config.members().iter().any(|m| m == member.as_str())
+        || stored.config.mappings().iter().any(|m| m.member == member.as_str());
+    if !in_membership {
+        return Err(ApiError::NotFound(format!("{member} is not a member of group {group}")));
+    }
+    let instances = state.instances.clone().ok_or_else(|| ApiError::Unavailable("keygate is starting".into()))?;
+    let who = MemberRef { stream, group, member };
+    let connections = state.connections.clone();
+    Ok(upgrade.protocols([SUBPROTOCOL]).on_upgrade(move |socket| {
+        connections.track_future(serve_connection(state, instances, who, socket, max_attempts))
+    }))
+}
+
+/// Browsers send `Origin`; other clients do not. Keygate's own origin (the
+/// `/demo` page) and configured ones may connect.
+fn check_origin(headers: &HeaderMap, allowed: &[String]) -> Result<(), ApiError> {
+    let Some(origin) = headers.get(header::ORIGIN).and_then(|v| v.to_str().ok()) else { return Ok(()) };
+    let host = headers.get(header::HOST).and_then(|v| v.to_str().ok()).unwrap_or_default();
+    let same_origin = origin.split_once("://").is_some_and(|(_, authority)| authority.eq_ignore_ascii_case(host));
+    if same_origin || allowed.iter().any(|a| a == "*" || a.eq_ignore_ascii_case(origin)) {
+        Ok(())
+    } else {
+        Err(ApiError::OriginNotAllowed(format!(
+            "origin {origin} may not open WebSocket members (see --ws-allowed-origins)"
+        )))
+    }
+}
+
+/// Runs one connection: the member instance behind it, frames both ways,
+/// liveness, and a Close frame at the end.
+async fn serve_connection(
+    state: AppState,
+    instances: Arc<InstanceContext>,
+    who: MemberRef,
+    socket: WebSocket,
+    max_attempts: u64,
+) {
+    let gauge = metrics::gauge!(crate::metrics::WS_CONNECTIONS, "stream" => who.stream.to_string(), "group" => who.group.to_string());
+    gauge.increment(1.0);
+    let (mut sink, mut incoming) = socket.split();
+    let (messages_tx, mut messages) = mpsc::channel(MESSAGE_QUEUE);
+    let (status_tx, mut status) = mpsc::channel(STATUS_QUEUE);
+    let closed = CancellationToken::new();
+    let endpoint =
+        Arc::new(SocketEndpoint::new(messages_tx, status_tx, closed.clone(), max_attempts, Backoff::default()));
+    let session_cancel = CancellationToken::new();
+    let mut session = tokio::spawn(serve_member(
+        instances,
+        who.clone(),
+        Arc::new(Endpoint::Socket(endpoint.clone())),
+        session_cancel.clone(),
+    ));
+    let filter =
+        crate::events::subject_filter(Some(who.stream.as_str()), Some(who.group.as_str()), Some(who.member.as_str()));
+    let mut events = match state.nats.subscribe(filter).await {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!(error = %e, "WebSocket member without events");
+            None
+        }
+    };
+    let ping_every = state.settings.ws_ping_interval;
+    let mut ping = tokio::time::interval_at(tokio::time::Instant::now() + ping_every, ping_every);
+    let mut last_heard = Instant::now();
+    let mut stopping = false;
+    let close_reason: (u16, &str) = loop {
+        tokio::select! {
+            frame = status.recv() => {
+                let Some(frame) = frame else { continue };
+                if send(&mut sink, &frame).await.is_err() { break (1011, "") }
+            }
+            frame = messages.recv() => {
+                let Some(frame) = frame else { continue };
+                if send(&mut sink, &frame).await.is_err() { break (1011, "") }
+            }
+            event = next_event(&mut events) => {
+                if let Some(frame) = event.and_then(|e| SocketEndpoint::event_frame(&e.payload)) {
+                    if send(&mut sink, &frame).await.is_err() { break (1011, "") }
+                }
+            }
+            received = incoming.next() => {
+                last_heard = Instant::now();
+                match received {
+                    Some(Ok(Message::Text(text))) => {
+                        let answer = match serde_json::from_str::<ClientFrame>(text.as_str()) {
+                            Ok(frame) => endpoint.settle(frame).await.err().map(|e| (e, None)),
+                            Err(e) => Some((format!("unreadable frame: {e}"), None)),
+                        };
+                        if let Some((error, id)) = answer {
+                            if send(&mut sink, &ServerFrame::Error { error, id }).await.is_err() { break (1011, "") }
+                        }
+                    }
+                    Some(Ok(Message::Binary(_))) => {
+                        let error = ServerFrame::Error { error: "frames are JSON text".into(), id: None };
+                        if send(&mut sink, &error).await.is_err() { break (1011, "") }
+                    }
+                    Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
+                    Some(Ok(Message::Close(_))) | Some(Err(_)) | None => break (0, ""),
+                }
+            }
+            _ = ping.tick() => {
+                if last_heard.elapsed() > ping_every * 2 {
+                    tracing::info!(member = %who.member, "WebSocket member went silent; closing");
+                    break (1001, "no answer to pings");
+                }
+                if sink.send(Message::Ping(Default::default())).await.is_err() { break (1011, "") }
+            }
+            () = state.shutdown.cancelled(), if !stopping => {
+                // Stop pulling; deliveries in flight may still be acked
+                // while the session winds down.
+                stopping = true;
+                session_cancel.cancel();
+            }
+            _ = &mut session => break (1001, if stopping { "keygate is shutting down" } else { "the member's session ended" }),
+        }
+    };
+    closed.cancel();
+    session_cancel.cancel();
+    if !session.is_finished() {
+        let _ = session.await;
+    }
+    if close_reason.0 != 0 {
+        let frame = CloseFrame { code: close_reason.0, reason: Utf8Bytes::from(close_reason.1) };
+        let _ = tokio::time::timeout(Duration::from_secs(2), sink.send(Message::Close(Some(frame)))).await;
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(1), sink.close()).await;
+    gauge.decrement(1.0);
+}
+
+async fn send(
+    sink: &mut futures::stream::SplitSink<WebSocket, Message>,
+    frame: &ServerFrame,
+) -> Result<(), axum::Error> {
+    let text = serde_json::to_string(frame).unwrap_or_default();
+    sink.send(Message::Text(text.into())).await
+}
+
+async fn next_event(events: &mut Option<async_nats::Subscriber>) -> Option<async_nats::Message> {
+    match events {
+        Some(s) => s.next().await,
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(origin: Option<&str>, host: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(header::HOST, host.parse().unwrap());
+        if let Some(o) = origin {
+            h.insert(header::ORIGIN, o.parse().unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn origins_are_keygates_own_or_configured() {
+        assert!(check_origin(&headers(None, "kg:8080"), &[]).is_ok(), "non-browser clients send none");
+        assert!(check_origin(&headers(Some("http://kg:8080"), "kg:8080"), &[]).is_ok());
+        assert!(check_origin(&headers(Some("https://evil.test"), "kg:8080"), &[]).is_err());
+        let allowed = vec!["https://app.test".to_owned()];
+        assert!(check_origin(&headers(Some("https://app.test"), "kg:8080"), &allowed).is_ok());
+        assert!(check_origin(&headers(Some("https://app.test.evil"), "kg:8080"), &allowed).is_err());
+        assert!(check_origin(&headers(Some("https://any.test"), "kg:8080"), &["*".to_owned()]).is_ok());
+    }
+}
