@@ -84,6 +84,7 @@ pub fn router(state: AppState) -> Router {
     let docs: Router<AppState> = Router::from(utoipa_swagger_ui::SwaggerUi::new("/docs").url("/openapi.json", doc))
         .layer(axum::middleware::map_response(docs_problem));
     let separate_admin = state.settings.admin_listen.is_some();
+    let docs = docs.route("/demo", axum::routing::get(demo_page));
     let mut app = api.route_layer(axum::middleware::from_fn_with_state(state.clone(), auth::authorize)).merge(docs);
     if !separate_admin {
         app = app.merge(metrics_route());
@@ -97,6 +98,22 @@ pub fn router(state: AppState) -> Router {
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
         .with_state(state)
+}
+
+/// A browser member: publish, join over WebSocket, ack or NAK by button.
+/// Self-contained (no CDN), so it works offline.
+async fn demo_page() -> Response {
+    (
+        [
+            (axum::http::header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (
+                axum::http::header::CONTENT_SECURITY_POLICY,
+                "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'",
+            ),
+        ],
+        include_str!("demo.html"),
+    )
+        .into_response()
 }
 
 /// The admin listener: liveness, readiness and metrics, nothing else.

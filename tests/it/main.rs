@@ -3,6 +3,7 @@
 mod auth;
 mod cli;
 mod delivery;
+mod demo;
 mod errors;
 mod failover;
 mod groups;

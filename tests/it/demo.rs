@@ -1,0 +1,72 @@
+//! The browser example at /demo, end to end in headless Chromium.
+
+use std::time::{Duration, Instant};
+
+use crate::support::browser::Browser;
+use crate::support::TestApp;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_page_joins_a_group_receives_messages_in_order_and_acks_them_by_button() {
+    let app = TestApp::start().await;
+    let html = app.http.get(app.url("/demo")).send().await.unwrap().text().await.unwrap();
+    assert!(!html.contains("src=\"http") && !html.contains("href=\"http"), "no assets from elsewhere");
+
+    let mut browser = Browser::launch().await;
+    browser.navigate(&app.url("/demo?stream=DEMO&group=g&member=web")).await;
+    browser.eval("document.getElementById('setup').click()").await;
+    crate::support::eventually(Duration::from_secs(10), || async {
+        (app.get("/v1/streams/DEMO/groups/g").await.0 == 200).then_some(())
+    })
+    .await;
+    browser.eval("document.getElementById('join').click()").await;
+    wait_for(&mut browser, "document.getElementById('status').textContent.startsWith('connected')").await;
+    // Ten messages over five keys, published by the page itself.
+    browser.eval("document.getElementById('publish10').click()").await;
+    wait_for(&mut browser, "document.getElementById('status').textContent.startsWith('pinned')").await;
+
+    // Ack by button whatever is shown; each partition shows its next message
+    // only after the previous one is acked.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let acked = browser
+            .eval(
+                "(() => { for (const b of document.querySelectorAll('button[data-action=ack]:not(:disabled)')) b.click();
+                   return document.querySelectorAll('.message.acked').length; })()",
+            )
+            .await;
+        if acked == 10 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "only {acked} of 10 acked");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Per partition, the page shows each key's messages in publish order.
+    let order = browser
+        .eval(
+            "[...document.querySelectorAll('.message')].map(m => m.querySelector('.meta').textContent.split(' ')[1] + ':' + JSON.parse(m.querySelector('code').textContent).n)",
+        )
+        .await;
+    let mut last: std::collections::HashMap<String, u64> = Default::default();
+    for entry in order.as_array().unwrap() {
+        let (key, n) = entry.as_str().unwrap().split_once(':').unwrap();
+        let n: u64 = n.parse().unwrap();
+        assert!(last.get(key).is_none_or(|prev| *prev < n), "{order}");
+        last.insert(key.to_owned(), n);
+    }
+    crate::support::eventually(Duration::from_secs(10), || async {
+        let info = app.js.get_stream("DEMO").await.ok()?.consumer_info("g-web").await.ok()?;
+        (info.ack_floor.stream_sequence == 10 && info.num_ack_pending == 0).then_some(())
+    })
+    .await;
+    let artifact = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/e2e/demo.png");
+    browser.screenshot(&artifact).await;
+    println!("screenshot: {}", artifact.display());
+}
+
+async fn wait_for(browser: &mut Browser, condition: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while browser.eval(condition).await != true {
+        assert!(Instant::now() < deadline, "never true: {condition}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
