@@ -115,8 +115,13 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
             .unwrap_or_else(|| format!("keygate-{}", nats.new_inbox().rsplit('.').next().unwrap_or("0"))),
         hold_cap: state.settings.hold_cap,
         shutdown_grace: state.settings.delivery_grace,
+        config_watch: crate::member::config_watch::ConfigWatch::new(state.js.clone()),
     });
     state.instances = Some(instances.clone());
+    // Start the configuration watchers now rather than with the first member.
+    for bucket in [crate::groups::config::STATIC_BUCKET, crate::groups::config::ELASTIC_BUCKET] {
+        drop(instances.config_watch.subscribe(bucket));
+    }
     // Members wind down as soon as shutdown starts, beside the HTTP drain.
     let members_token = shutdown.child_token();
     let members = tokio::spawn(crate::member::supervisor::supervise(instances, members_token.clone()));
@@ -141,6 +146,11 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
     let grace = state.settings.delivery_grace;
     let app = crate::http::router(state);
     tracing::info!(%address, "keygate listening");
+    // Small frames and responses go out at once (WebSocket acks, single
+    // publishes) instead of waiting on Nagle's algorithm.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     let server = axum::serve(listener, app).with_graceful_shutdown(shutdown.clone().cancelled_owned());
     tokio::select! {
         served = server.into_future() => served.context("serving HTTP")?,

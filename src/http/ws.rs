@@ -83,7 +83,16 @@ pub async fn join_member(
     let instances = state.instances.clone().ok_or_else(|| ApiError::Unavailable("keygate is starting".into()))?;
     let who = MemberRef { stream, group, member };
     let connections = state.connections.clone();
-    Ok(upgrade.protocols([SUBPROTOCOL]).on_upgrade(move |socket| {
+    // Client frames are small verdicts: small buffers keep idle connections
+    // cheap, and a size cap keeps a misbehaving client from growing them.
+    let upgrade = upgrade
+        .protocols([SUBPROTOCOL])
+        .read_buffer_size(4 * 1024)
+        .write_buffer_size(0)
+        .max_write_buffer_size(4 * 1024 * 1024)
+        .max_message_size(64 * 1024)
+        .max_frame_size(64 * 1024);
+    Ok(upgrade.on_upgrade(move |socket| {
         connections.track_future(serve_connection(state, instances, who, socket, max_attempts))
     }))
 }

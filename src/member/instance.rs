@@ -62,6 +62,8 @@ pub struct InstanceContext {
     pub hold_cap: usize,
     /// How long shutdown waits for deliveries in flight.
     pub shutdown_grace: Duration,
+    /// Group configuration updates, watched once for the process.
+    pub config_watch: super::config_watch::ConfigWatch,
 }
 
 /// Which member an instance serves.
@@ -135,6 +137,11 @@ pub async fn serve_member(
         if cancel.is_cancelled() {
             return;
         }
+        // Taken before the configuration is read, so no update falls between.
+        let updates = (
+            ctx.config_watch.subscribe(STATIC_BUCKET),
+            ctx.config_watch.subscribe(ELASTIC_BUCKET),
+        );
         let group = match ctx.groups.load(&who.stream, &who.group, None).await {
             Ok(g) => g,
             Err(e) => {
@@ -210,7 +217,11 @@ pub async fn serve_member(
             }
             continue;
         };
-        match session.run(&cancel).await {
+        let updates = match session.config.kind() {
+            GroupKind::Static => updates.0,
+            GroupKind::Elastic => updates.1,
+        };
+        match session.run(&cancel, updates).await {
             SessionEnd::Shutdown => return,
             SessionEnd::Gone => {
                 if let Endpoint::Webhook { registration, .. } = &*endpoint {
@@ -561,22 +572,18 @@ impl Session {
         &self.shared.who
     }
 
-    async fn run(mut self, cancel: &CancellationToken) -> SessionEnd {
+    async fn run(
+        mut self,
+        cancel: &CancellationToken,
+        mut updates: tokio::sync::broadcast::Receiver<Arc<async_nats::jetstream::kv::Entry>>,
+    ) -> SessionEnd {
         let Ok(mut replies) = self.ctx().nats.subscribe(format!("{}.*", self.inbox)).await else {
             return SessionEnd::ConsumerGone;
         };
         let Ok(mut control) = self.ctx().nats.subscribe(self.who().control_subject()).await else {
             return SessionEnd::ConsumerGone;
         };
-        let bucket = match self.config.kind() {
-            GroupKind::Static => STATIC_BUCKET,
-            GroupKind::Elastic => ELASTIC_BUCKET,
-        };
         let key = config_key(self.who().stream.as_str(), self.who().group.as_str());
-        let mut watch = match self.ctx().js.get_key_value(bucket).await {
-            Ok(store) => store.watch_with_history(&key).await.ok(),
-            Err(_) => None,
-        };
         let progress_every = (self.ack_wait / 3).max(Duration::from_millis(100));
         let mut progress = tokio::time::interval(progress_every);
         let mut pin_check = tokio::time::interval(PIN_CHECK);
@@ -616,9 +623,16 @@ impl Session {
                         self.on_control(request).await;
                     }
                 }
-                update = next_watch(&mut watch) => {
-                    match update {
-                        Some(entry) if entry.operation == async_nats::jetstream::kv::Operation::Put => {
+                update = updates.recv() => {
+                    let entry = match update {
+                        Ok(entry) if entry.key == key => entry,
+                        Ok(_) => continue,
+                        // Missed updates: read the configuration again.
+                        Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => break SessionEnd::Rejoin { pinned: false },
+                        Err(tokio::sync::broadcast::error::RecvError::Closed) => continue,
+                    };
+                    match entry.operation {
+                        async_nats::jetstream::kv::Operation::Put => {
                             if entry.revision <= self.revision {
                                 continue;
                             }
@@ -633,8 +647,7 @@ impl Session {
                                 break SessionEnd::Rejoin { pinned: self.pin.is_some() };
                             }
                         }
-                        Some(_) => break SessionEnd::Rejoin { pinned: false },
-                        None => watch = None,
+                        _ => break SessionEnd::Rejoin { pinned: false },
                     }
                 }
             }
@@ -1063,12 +1076,3 @@ impl Session {
     }
 }
 
-async fn next_watch(watch: &mut Option<async_nats::jetstream::kv::Watch>) -> Option<async_nats::jetstream::kv::Entry> {
-    match watch {
-        Some(w) => match w.next().await {
-            Some(Ok(entry)) => Some(entry),
-            _ => None,
-        },
-        None => futures::future::pending().await,
-    }
-}

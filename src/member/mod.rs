@@ -2,6 +2,7 @@
 //! pinned pulls, partition lanes that keep per-key order, and the
 //! supervisor that runs an instance for every registered webhook.
 
+pub mod config_watch;
 pub mod consumer;
 pub mod control;
 pub mod deliver;

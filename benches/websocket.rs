@@ -1,0 +1,261 @@
+//! WebSocket member benchmark: acked messages per second to one client over
+//! 16 partitions (the client acks each message as it arrives), beside a raw
+//! async-nats consumer with the same filters acking each partition's
+//! messages serially in the same run; then the memory 1,000 idle member
+//! connections add to a keygate process.
+//!
+//! `cargo bench --bench websocket` (env `KEYGATE_BENCH_MESSAGES`, default 20000).
+
+use std::collections::HashMap;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, consumer, AckKind};
+use bytes::Bytes;
+use futures::{SinkExt, StreamExt};
+use serde_json::{json, Value};
+use tokio_tungstenite::tungstenite::Message;
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+const PARTITIONS: u32 = 16;
+const KEYS: u64 = 1000;
+const IDLE_MEMBERS: usize = 100;
+const IDLE_CONNECTIONS: usize = 1000;
+
+struct KeygateProcess {
+    child: std::process::Child,
+    base: String,
+}
+
+impl KeygateProcess {
+    fn start(nats: &str) -> Self {
+        let port = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap().local_addr().unwrap().port();
+        let child = Command::new(env!("CARGO_BIN_EXE_keygate"))
+            .args(["serve", "--nats-url", nats, "--listen", &format!("127.0.0.1:{port}"), "--backlog-sample-secs", "0"])
+            .env("KEYGATE_LOG", "error")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        Self { child, base: format!("http://127.0.0.1:{port}") }
+    }
+
+    /// Resident memory of the keygate process, in MiB.
+    fn rss_mib(&self) -> f64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        let kib: f64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap();
+        kib / 1024.0
+    }
+
+    fn ws(&self, stream: &str, group: &str, member: &str) -> String {
+        format!("{}/v1/streams/{stream}/groups/{group}/members/{member}/ws", self.base.replacen("http", "ws", 1))
+    }
+}
+
+impl Drop for KeygateProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn put(http: &reqwest::Client, url: String, body: Value) {
+    let r = http.put(&url).json(&body).send().await.unwrap();
+    assert!(r.status().is_success(), "{url}: {}", r.text().await.unwrap());
+}
+
+/// `n` messages over `KEYS` keys, published raw (the stream is stamped by keygate's PUT).
+async fn fill(js: &jetstream::Context, subject_prefix: &str, n: u64) {
+    let mut acks = Vec::with_capacity(n as usize);
+    for i in 0..n {
+        let ack = js.publish(format!("{subject_prefix}.k{}", i % KEYS), Bytes::from(format!("{{\"n\":{i}}}"))).await;
+        acks.push(ack.unwrap());
+    }
+    for ack in acks {
+        ack.await.unwrap();
+    }
+}
+
+/// One WebSocket client acking every message as it arrives; returns the
+/// rate from the first to the last message and the reorders seen.
+async fn keygate_ws(kg: &KeygateProcess, http: &reqwest::Client, js: &jetstream::Context, n: u64) -> (f64, u64) {
+    put(http, format!("{}/v1/streams/WS", kg.base), json!({"subjects":["ws.*"],"partitions":PARTITIONS})).await;
+    fill(js, "ws", n).await;
+    put(
+        http,
+        format!("{}/v1/streams/WS/groups/g", kg.base),
+        json!({"kind":"static","partitions":PARTITIONS,"members":["m"]}),
+    )
+    .await;
+    let (mut socket, _) =
+        tokio_tungstenite::connect_async_with_config(kg.ws("WS", "g", "m"), None, true).await.unwrap();
+    let (mut received, mut reorders) = (0u64, 0u64);
+    let mut last_by_key: HashMap<String, u64> = HashMap::new();
+    let mut first = None;
+    let mut last = Instant::now();
+    while received < n {
+        let frame = tokio::time::timeout(Duration::from_secs(60), socket.next()).await.unwrap().unwrap().unwrap();
+        let Message::Text(text) = frame else { continue };
+        let value: Value = serde_json::from_str(text.as_str()).unwrap();
+        if value["type"] != "message" {
+            continue;
+        }
+        let now = Instant::now();
+        first.get_or_insert(now);
+        last = now;
+        received += 1;
+        let key = value["key"].as_str().unwrap_or_default().to_owned();
+        let seq = value["stream_seq"].as_u64().unwrap();
+        let previous = last_by_key.entry(key).or_insert(0);
+        if seq < *previous {
+            reorders += 1;
+        }
+        *previous = seq;
+        let ack = json!({"type":"ack","id":value["id"]}).to_string();
+        socket.send(Message::Text(ack.into())).await.unwrap();
+    }
+    let _ = socket.close(None).await;
+    ((n - 1) as f64 / (last - first.unwrap()).as_secs_f64(), reorders)
+}
+
+/// The baseline: the member's consumer config by hand (one filter per
+/// partition), one lane per partition acking its messages serially.
+async fn raw_ordered(js: &jetstream::Context, http: &reqwest::Client, base: &str, n: u64) -> f64 {
+    put(http, format!("{base}/v1/streams/RAW"), json!({"subjects":["raw.*"],"partitions":PARTITIONS})).await;
+    fill(js, "raw", n).await;
+    let consumer = js
+        .get_stream("RAW")
+        .await
+        .unwrap()
+        .create_consumer(consumer::pull::Config {
+            durable_name: Some("raw".into()),
+            ack_policy: consumer::AckPolicy::Explicit,
+            max_ack_pending: 1000,
+            filter_subjects: (0..PARTITIONS).map(|p| format!("{p}.>")).collect(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let (done_tx, mut done_rx) = tokio::sync::mpsc::channel::<Instant>(4096);
+    let mut lanes = Vec::new();
+    for _ in 0..PARTITIONS {
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<jetstream::Message>(1024);
+        let done = done_tx.clone();
+        tokio::spawn(async move {
+            while let Some(message) = rx.recv().await {
+                message.ack_with(AckKind::Ack).await.unwrap();
+                let _ = done.send(Instant::now()).await;
+            }
+        });
+        lanes.push(tx);
+    }
+    let mut messages = consumer.messages().await.unwrap();
+    let pump = tokio::spawn(async move {
+        while let Some(Ok(message)) = messages.next().await {
+            let partition: usize = message.subject.split('.').next().unwrap().parse().unwrap();
+            if lanes[partition].send(message).await.is_err() {
+                break;
+            }
+        }
+    });
+    let (mut first, mut last) = (None, Instant::now());
+    for _ in 0..n {
+        let at = tokio::time::timeout(Duration::from_secs(60), done_rx.recv()).await.unwrap().unwrap();
+        first.get_or_insert(at);
+        last = at;
+    }
+    pump.abort();
+    (n - 1) as f64 / (last - first.unwrap()).as_secs_f64()
+}
+
+/// RSS of keygate before and after 1,000 idle member connections.
+async fn idle_connections(kg: &KeygateProcess, http: &reqwest::Client) -> (f64, f64) {
+    let members: Vec<String> = (0..IDLE_MEMBERS).map(|i| format!("m{i}")).collect();
+    put(http, format!("{}/v1/streams/IDLE", kg.base), json!({"subjects":["idle.*"],"partitions":IDLE_MEMBERS})).await;
+    put(
+        http,
+        format!("{}/v1/streams/IDLE/groups/g", kg.base),
+        json!({"kind":"static","partitions":IDLE_MEMBERS,"members":members}),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = kg.rss_mib();
+    let mut sockets = Vec::with_capacity(IDLE_CONNECTIONS);
+    for i in 0..IDLE_CONNECTIONS {
+        let (mut socket, _) =
+            tokio_tungstenite::connect_async(kg.ws("IDLE", "g", &members[i % IDLE_MEMBERS])).await.unwrap();
+        // Each connection is joined once it has its assignment.
+        loop {
+            let frame = tokio::time::timeout(Duration::from_secs(30), socket.next()).await.unwrap().unwrap().unwrap();
+            if let Message::Text(text) = frame {
+                if text.as_str().contains("\"assigned\"") {
+                    break;
+                }
+            }
+        }
+        sockets.push(socket);
+    }
+    // Idle: nothing published; keep answering pings by reading in the background.
+    let readers: Vec<_> = sockets
+        .into_iter()
+        .map(|mut s| tokio::spawn(async move { while let Some(Ok(_)) = s.next().await {} }))
+        .collect();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let after = kg.rss_mib();
+    for r in readers {
+        r.abort();
+    }
+    (before, after)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let n: u64 = std::env::var("KEYGATE_BENCH_MESSAGES").ok().and_then(|v| v.parse().ok()).unwrap_or(20_000);
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let http = reqwest::Client::new();
+    let store = tempfile::tempdir()?;
+    let server_stop = tokio_util::sync::CancellationToken::new();
+    let server =
+        keygate::nats::embedded::EmbeddedServer::start("nats-server".as_ref(), store.path(), 0, server_stop.clone())
+            .await?;
+    let kg = KeygateProcess::start(server.url());
+    for _ in 0..400 {
+        if http.get(format!("{}/readyz", kg.base)).send().await.is_ok_and(|r| r.status() == 200) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let nats = async_nats::connect(server.url()).await?;
+    let js = keygate::nats::connect::jetstream(nats, Duration::from_secs(10));
+
+    println!(
+        "keygate WebSocket member benchmark ({n} messages backlog, {PARTITIONS} partitions, {KEYS} keys, loopback)"
+    );
+    println!(
+        "| measure | raw async-nats (member's filters, serial per partition) | keygate WebSocket | ratio | target |"
+    );
+    println!("|---|---|---|---|---|");
+    let raw = raw_ordered(&js, &http, &kg.base, n).await;
+    let (rate, reorders) = keygate_ws(&kg, &http, &js, n).await;
+    println!(
+        "| acked messages/s, one client | {raw:.0} msg/s | {rate:.0} msg/s | {:.2}× | ≥ 10,000 msg/s |",
+        rate / raw
+    );
+    assert_eq!(reorders, 0, "no per-key reorder");
+    let (before, after) = idle_connections(&kg, &http).await;
+    println!(
+        "| RSS with {IDLE_CONNECTIONS} idle member connections ({IDLE_MEMBERS} members) | | {before:.1} → {after:.1} MiB (+{:.1} MiB) | | ≤ +50 MB |",
+        after - before
+    );
+    drop(kg);
+    server_stop.cancel();
+    server.stopped().await;
+    Ok(())
+}
