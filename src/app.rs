@@ -116,6 +116,7 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
         hold_cap: state.settings.hold_cap,
         shutdown_grace: state.settings.delivery_grace,
         config_watch: crate::member::config_watch::ConfigWatch::new(state.js.clone()),
+        subscriptions: crate::nats::shared::SharedSubscriptions::new(nats.clone()),
     });
     state.instances = Some(instances.clone());
     // Start the configuration watchers now rather than with the first member.

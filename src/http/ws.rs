@@ -131,14 +131,14 @@ async fn serve_connection(
         Arc::new(SocketEndpoint::new(messages_tx, status_tx, closed.clone(), max_attempts, Backoff::default()));
     let session_cancel = CancellationToken::new();
     let mut session = tokio::spawn(serve_member(
-        instances,
+        instances.clone(),
         who.clone(),
         Arc::new(Endpoint::Socket(endpoint.clone())),
         session_cancel.clone(),
     ));
     let filter =
         crate::events::subject_filter(Some(who.stream.as_str()), Some(who.group.as_str()), Some(who.member.as_str()));
-    let mut events = match state.nats.subscribe(filter).await {
+    let mut events = match instances.subscriptions.subscribe(&filter).await {
         Ok(s) => Some(s),
         Err(e) => {
             tracing::warn!(error = %e, "WebSocket member without events");
@@ -221,10 +221,21 @@ async fn send(
     sink.send(Message::Text(text.into())).await
 }
 
-async fn next_event(events: &mut Option<async_nats::Subscriber>) -> Option<async_nats::Message> {
-    match events {
-        Some(s) => s.next().await,
-        None => std::future::pending().await,
+/// The next event; a lagging connection skips what it missed (events are
+/// notifications), a closed tap ends the events.
+async fn next_event(
+    events: &mut Option<tokio::sync::broadcast::Receiver<async_nats::Message>>,
+) -> Option<async_nats::Message> {
+    let Some(receiver) = events else { return std::future::pending().await };
+    loop {
+        match receiver.recv().await {
+            Ok(payload) => return Some(payload),
+            Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+            Err(tokio::sync::broadcast::error::RecvError::Closed) => {
+                *events = None;
+                return std::future::pending().await;
+            }
+        }
     }
 }
 

@@ -64,6 +64,8 @@ pub struct InstanceContext {
     pub shutdown_grace: Duration,
     /// Group configuration updates, watched once for the process.
     pub config_watch: super::config_watch::ConfigWatch,
+    /// Subscriptions shared by the instances of one member (control requests).
+    pub subscriptions: crate::nats::shared::SharedSubscriptions,
 }
 
 /// Which member an instance serves.
@@ -138,10 +140,7 @@ pub async fn serve_member(
             return;
         }
         // Taken before the configuration is read, so no update falls between.
-        let updates = (
-            ctx.config_watch.subscribe(STATIC_BUCKET),
-            ctx.config_watch.subscribe(ELASTIC_BUCKET),
-        );
+        let updates = (ctx.config_watch.subscribe(STATIC_BUCKET), ctx.config_watch.subscribe(ELASTIC_BUCKET));
         let group = match ctx.groups.load(&who.stream, &who.group, None).await {
             Ok(g) => g,
             Err(e) => {
@@ -580,7 +579,7 @@ impl Session {
         let Ok(mut replies) = self.ctx().nats.subscribe(format!("{}.*", self.inbox)).await else {
             return SessionEnd::ConsumerGone;
         };
-        let Ok(mut control) = self.ctx().nats.subscribe(self.who().control_subject()).await else {
+        let Ok(mut control) = self.ctx().subscriptions.subscribe(&self.who().control_subject()).await else {
             return SessionEnd::ConsumerGone;
         };
         let key = config_key(self.who().stream.as_str(), self.who().group.as_str());
@@ -618,9 +617,11 @@ impl Session {
                     let now = Instant::now();
                     self.outstanding.retain(|o| o.deadline > now);
                 }
-                request = control.next() => {
-                    if let Some(request) = request {
-                        self.on_control(request).await;
+                request = control.recv() => {
+                    match request {
+                        Ok(request) => self.on_control(request).await,
+                        Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                        Err(tokio::sync::broadcast::error::RecvError::Closed) => break SessionEnd::ConsumerGone,
                     }
                 }
                 update = updates.recv() => {
@@ -1075,4 +1076,3 @@ impl Session {
         let _ = tokio::time::timeout(Duration::from_secs(2), self.ctx().nats.flush()).await;
     }
 }
-

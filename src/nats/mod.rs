@@ -4,3 +4,4 @@
 pub mod connect;
 pub mod embedded;
 pub mod errors;
+pub mod shared;
