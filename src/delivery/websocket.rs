@@ -131,10 +131,11 @@ struct Awaiting {
 /// One WebSocket connection serving one instance of a member.
 pub struct SocketEndpoint {
     /// Message frames: bounded, so a client that stops reading makes its
-    /// partitions wait instead of growing keygate's memory.
-    messages: mpsc::Sender<ServerFrame>,
+    /// partitions wait instead of growing keygate's memory. Boxed: an idle
+    /// channel then costs pointers, not frames.
+    messages: mpsc::Sender<Box<ServerFrame>>,
     /// Pin and assignment frames: bounded, never waited on.
-    status: mpsc::Sender<ServerFrame>,
+    status: mpsc::Sender<Box<ServerFrame>>,
     awaiting: Mutex<HashMap<String, Awaiting>>,
     /// Cancelled when the connection ends: waiting deliveries give up.
     closed: CancellationToken,
@@ -144,8 +145,8 @@ pub struct SocketEndpoint {
 
 impl SocketEndpoint {
     pub fn new(
-        messages: mpsc::Sender<ServerFrame>,
-        status: mpsc::Sender<ServerFrame>,
+        messages: mpsc::Sender<Box<ServerFrame>>,
+        status: mpsc::Sender<Box<ServerFrame>>,
         closed: CancellationToken,
         max_attempts: u64,
         backoff: Backoff,
@@ -172,7 +173,7 @@ impl SocketEndpoint {
             reason: "the WebSocket closed before a verdict".into(),
         };
         let sent = tokio::select! {
-            sent = self.messages.send(ServerFrame::Message(Box::new(frame))) => sent.is_ok(),
+            sent = self.messages.send(Box::new(ServerFrame::Message(Box::new(frame)))) => sent.is_ok(),
             () = self.closed.cancelled() => false,
         };
         if !sent {
@@ -228,7 +229,7 @@ impl SocketEndpoint {
     /// Queues a status frame; dropped when the client has stopped reading
     /// (its liveness check closes it soon).
     pub fn notify(&self, frame: ServerFrame) {
-        if self.status.try_send(frame).is_err() {
+        if self.status.try_send(Box::new(frame)).is_err() {
             tracing::debug!("status frame dropped: the WebSocket client is not reading");
         }
     }

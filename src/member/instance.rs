@@ -141,7 +141,7 @@ pub async fn serve_member(
         }
         // Taken before the configuration is read, so no update falls between.
         let updates = (ctx.config_watch.subscribe(STATIC_BUCKET), ctx.config_watch.subscribe(ELASTIC_BUCKET));
-        let group = match ctx.groups.load(&who.stream, &who.group, None).await {
+        let group = match Box::pin(ctx.groups.load(&who.stream, &who.group, None)).await {
             Ok(g) => g,
             Err(e) => {
                 tracing::debug!(error = %e, "group not available; waiting");
@@ -151,9 +151,7 @@ pub async fn serve_member(
                 continue;
             }
         };
-        let ack_wait = ctx
-            .groups
-            .settings(&who.stream, &who.group)
+        let ack_wait = Box::pin(ctx.groups.settings(&who.stream, &who.group))
             .await
             .ok()
             .and_then(|s| s.ack_wait_ms)
@@ -174,8 +172,15 @@ pub async fn serve_member(
             }
             last_partitions = Some(partitions.clone());
         }
-        let joined =
-            join(&ctx.js, &group.config, who.stream.as_str(), who.group.as_str(), who.member.as_str(), ack_wait).await;
+        let joined = Box::pin(join(
+            &ctx.js,
+            &group.config,
+            who.stream.as_str(),
+            who.group.as_str(),
+            who.member.as_str(),
+            ack_wait,
+        ))
+        .await;
         let (stream_name, consumer) = match joined {
             Ok(names) => names,
             Err(JoinError::Overlap) => {
@@ -185,7 +190,7 @@ pub async fn serve_member(
                 continue;
             }
             Err(JoinError::NoPartitions) => {
-                if wait_for_group_change(&ctx, &who, &group.config, group.revision, &cancel).await {
+                if Box::pin(wait_for_group_change(&ctx, &who, &group.config, group.revision, &cancel)).await {
                     return;
                 }
                 continue;
@@ -199,7 +204,7 @@ pub async fn serve_member(
             }
         };
         let old_filters = filter_subjects_of(&group.config, who.member.as_str());
-        let session = Session::new(
+        let session = Box::pin(Session::new(
             ctx.clone(),
             who.clone(),
             endpoint.clone(),
@@ -208,7 +213,7 @@ pub async fn serve_member(
             stream_name.clone(),
             consumer.clone(),
             ack_wait,
-        )
+        ))
         .await;
         let Some(session) = session else {
             if sleep_or_cancel(&cancel, Duration::from_secs(1)).await {
@@ -224,7 +229,7 @@ pub async fn serve_member(
             SessionEnd::Shutdown => return,
             SessionEnd::Gone => {
                 if let Endpoint::Webhook { registration, .. } = &*endpoint {
-                    deregister(&ctx, &who, registration).await;
+                    Box::pin(deregister(&ctx, &who, registration)).await;
                 }
                 return;
             }
@@ -239,7 +244,8 @@ pub async fn serve_member(
                 // consumer (once its deliveries are done); the others give it
                 // a moment first.
                 if pinned && group_kind_is_elastic(&stream_name, &who) {
-                    super::consumer::delete_if_unchanged(&ctx.js, &stream_name, &consumer, &old_filters).await;
+                    Box::pin(super::consumer::delete_if_unchanged(&ctx.js, &stream_name, &consumer, &old_filters))
+                        .await;
                 } else if sleep_or_cancel(&cancel, Duration::from_millis(rand::random_range(400..500))).await {
                     return;
                 }
@@ -594,7 +600,7 @@ impl Session {
                 break SessionEnd::Gone;
             }
             self.dispatch();
-            self.ensure_pull().await;
+            Box::pin(self.ensure_pull()).await;
             let pull_deadline = self
                 .outstanding
                 .iter()
@@ -605,21 +611,21 @@ impl Session {
                 () = cancel.cancelled() => break SessionEnd::Shutdown,
                 reply = replies.next() => {
                     let Some(reply) = reply else { break SessionEnd::ConsumerGone };
-                    if let Some(end) = self.on_reply(reply).await {
+                    if let Some(end) = Box::pin(self.on_reply(reply)).await {
                         break end;
                     }
                 }
                 () = wake.notified() => {}
-                _ = progress.tick() => self.progress().await,
-                _ = pin_check.tick() => self.check_pin().await,
-                _ = barrier_check.tick(), if self.pin.is_some() && self.shared.lock().lanes.barrier() => self.check_pin().await,
+                _ = progress.tick() => Box::pin(self.progress()).await,
+                _ = pin_check.tick() => Box::pin(self.check_pin()).await,
+                _ = barrier_check.tick(), if self.pin.is_some() && self.shared.lock().lanes.barrier() => Box::pin(self.check_pin()).await,
                 () = tokio::time::sleep_until(pull_deadline.into()) => {
                     let now = Instant::now();
                     self.outstanding.retain(|o| o.deadline > now);
                 }
                 request = control.recv() => {
                     match request {
-                        Ok(request) => self.on_control(request).await,
+                        Ok(request) => Box::pin(self.on_control(request)).await,
                         Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
                         Err(tokio::sync::broadcast::error::RecvError::Closed) => break SessionEnd::ConsumerGone,
                     }
@@ -653,7 +659,7 @@ impl Session {
                 }
             }
         };
-        self.wind_down(&end).await;
+        Box::pin(self.wind_down(&end)).await;
         end
     }
 
