@@ -58,6 +58,18 @@ pub struct PublishRequest {
     /// duplicate window is stored once and answered with `duplicate: true`.
     #[serde(default)]
     pub msg_id: Option<String>,
+    /// Keyless messages only: `round_robin` (default) puts successive
+    /// messages on successive partitions, `random` on a random one.
+    #[serde(default)]
+    pub spread: Option<Spread>,
+}
+
+/// How keyless messages are spread over partitions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Spread {
+    RoundRobin,
+    Random,
 }
 
 /// Several messages in one request.
@@ -116,6 +128,10 @@ pub fn prepare(
     max_payload: usize,
 ) -> Result<Prepared, ApiError> {
     let bad = |m: String| ApiError::BadRequest(m);
+    if request.spread.is_some() && request.key.is_some() {
+        return Err(bad("spread is for keyless messages: a key decides its partition".into()));
+    }
+    let random = request.spread == Some(Spread::Random);
     let (subject, key, partition) = match (request.subject.as_deref(), request.key.as_deref(), &shape.key_slot) {
         // The common case, kept free of pattern matching: a key in the
         // stream's own one-wildcard subject.
@@ -129,7 +145,7 @@ pub fn prepare(
             (subject, Some(key.to_owned()), partition)
         }
         (subject, key, _) => {
-            let (subject, key) = resolve_subject(shape, key, subject)?;
+            let (subject, key) = resolve_subject(shape, key, subject, random)?;
             let partition = stamped_partition(shape, &subject)?;
             (subject, key, partition)
         }
@@ -215,6 +231,7 @@ fn resolve_subject(
     shape: &StreamShape,
     key: Option<&str>,
     subject: Option<&str>,
+    random: bool,
 ) -> Result<(String, Option<String>), ApiError> {
     let bad = |m: String| ApiError::BadRequest(m);
     let template = match subject {
@@ -241,7 +258,7 @@ fn resolve_subject(
             )))
         }
         (1, Some(k)) => fill(&template, &encode_key(k).map_err(|e| bad(e.to_string()))?),
-        (1, None) => keyless_subject(shape, &template),
+        (1, None) => keyless_subject(shape, &template, random),
         (n, _) => {
             return Err(bad(format!(
                 "subject {:?} has {n} wildcards; give a subject with the other tokens filled and one * for the key",
@@ -280,12 +297,16 @@ fn fill(template: &SubjectPattern, token: &str) -> String {
 }
 
 /// A keyless message gets a marker token chosen so that successive keyless
-/// messages land on successive partitions.
-fn keyless_subject(shape: &StreamShape, template: &SubjectPattern) -> String {
+/// messages land on successive partitions (or, `random`, on a random one).
+fn keyless_subject(shape: &StreamShape, template: &SubjectPattern, random: bool) -> String {
     let Some((source, spec)) = &shape.stamping else {
         return fill(template, &keyless_token(shape.keyless_counter.fetch_add(1, Ordering::Relaxed)));
     };
-    let target = (shape.next_partition.fetch_add(1, Ordering::Relaxed) % spec.partitions as u64) as u32;
+    let target = if random {
+        rand::random_range(0..spec.partitions)
+    } else {
+        (shape.next_partition.fetch_add(1, Ordering::Relaxed) % spec.partitions as u64) as u32
+    };
     let mut subject = String::new();
     // Expected tries are the partition count; give up (any partition will
     // do) if the marker's position does not take part in the hash.

@@ -122,6 +122,34 @@ async fn keyless_messages_go_round_robin_over_partitions() {
 }
 
 #[tokio::test]
+async fn spread_random_puts_keyless_messages_on_random_partitions_where_the_server_stamps_them() {
+    let app = TestApp::start().await;
+    app.create_stream("RND", json!({"subjects":["rnd.*"],"partitions":4})).await;
+    let messages: Vec<Value> = (0..400).map(|i| json!({"data": i, "spread": "random"})).collect();
+    let (status, body) = app.post("/v1/streams/RND/messages/batch", json!({"messages": messages})).await;
+    assert_eq!(status, 200, "{body}");
+    let partitions: Vec<u64> =
+        body["results"].as_array().unwrap().iter().map(|r| r["partition"].as_u64().unwrap()).collect();
+    let mut counts = BTreeMap::new();
+    for p in &partitions {
+        *counts.entry(*p).or_insert(0) += 1;
+    }
+    assert_eq!(counts.len(), 4, "{counts:?}");
+    assert!(counts.values().all(|n| *n > 40), "roughly even: {counts:?}");
+    let round_robin_steps = partitions.windows(2).filter(|w| (w[0] + 1) % 4 == w[1]).count();
+    assert!(round_robin_steps < 200, "not round-robin: {round_robin_steps} of 399 steps were +1");
+    let stored = app.stream_messages("RND").await;
+    for ((subject, _, _), p) in stored.iter().zip(&partitions) {
+        assert!(subject.starts_with(&format!("{p}.rnd.")), "the server stamped {subject}, keygate said {p}");
+    }
+    // A key decides the partition: spread with a key is refused.
+    let (status, problem) = app.post("/v1/streams/RND/messages", json!({"key":"k","spread":"random"})).await;
+    assert_eq!(status, 400, "{problem}");
+    let (status, _) = app.post("/v1/streams/RND/messages", json!({"spread":"sideways"})).await;
+    assert_eq!(status, 400);
+}
+
+#[tokio::test]
 async fn payloads_headers_and_content_types_are_stored_as_sent() {
     let app = TestApp::start().await;
     app.create_stream("DATA", json!({"subjects":["data.*"],"partitions":3})).await;
