@@ -30,6 +30,7 @@ pub struct AppState {
     pub nats: async_nats::Client,
     pub js: async_nats::jetstream::Context,
     pub streams: Streams,
+    pub consumers: crate::consumers::Consumers,
     pub groups: GroupAdmin,
     pub webhooks: WebhookStore,
     pub events: EventBus,
@@ -56,6 +57,7 @@ impl AppState {
         Self {
             settings: Arc::new(settings),
             streams: Streams::new(js.clone()),
+            consumers: crate::consumers::Consumers::new(js.clone()),
             groups: GroupAdmin::new(js.clone()),
             webhooks: WebhookStore::new(js.clone(), policy),
             events: EventBus::new(nats.clone()),

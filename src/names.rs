@@ -75,6 +75,10 @@ name_type!(
     /// A group member name.
     MemberName, "member", 64
 );
+name_type!(
+    /// A durable consumer name.
+    ConsumerName, "consumer", 64
+);
 
 #[cfg(test)]
 mod tests {

@@ -2,6 +2,7 @@
 //! and problem+json answers for anything that does not route.
 
 pub mod auth;
+pub mod consumers;
 pub mod events;
 pub mod extract;
 pub mod groups;
@@ -36,6 +37,7 @@ use crate::error::ApiError;
         (name = "streams", description = "Streams, optionally partition-stamped"),
         (name = "messages", description = "Keyed publishing"),
         (name = "groups", description = "Partitioned consumer groups (pcgroups-compatible)"),
+        (name = "consumers", description = "Plain consumers with a priority-group policy"),
         (name = "webhooks", description = "Members served by webhook URLs"),
         (name = "websocket", description = "Members served over WebSocket"),
         (name = "events", description = "Pin, assignment and verdict events"),
@@ -61,6 +63,8 @@ pub fn api() -> (Router<AppState>, utoipa::openapi::OpenApi) {
         .routes(routes!(groups::step_down))
         .routes(routes!(groups::skip_partition))
         .routes(routes!(groups::retry_partition_now))
+        .routes(routes!(consumers::put_consumer, consumers::get_consumer, consumers::delete_consumer))
+        .routes(routes!(consumers::unpin_consumer))
         .routes(routes!(webhooks::put_webhook, webhooks::get_webhook, webhooks::delete_webhook))
         .routes(routes!(ws::join_member))
         .routes(routes!(events::events))

@@ -2,6 +2,7 @@
 
 mod auth;
 mod cli;
+mod consumers;
 mod delivery;
 mod demo;
 mod errors;

@@ -1,0 +1,136 @@
+//! Plain consumers with priority-group policies, against a real nats-server.
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use serde_json::{json, Value};
+
+use crate::support::TestApp;
+
+async fn setup(app: &TestApp) {
+    app.create_stream("JOBS", json!({"subjects":["jobs.*"]})).await;
+}
+
+/// One raw pull (`$JS.API.CONSUMER.MSG.NEXT`) with `options`; the first
+/// answer: a message (`Some(subject, pin id)`) or a status (`None`).
+async fn pull(app: &TestApp, consumer: &str, options: Value) -> Option<(String, Option<String>)> {
+    let inbox = app.nats.new_inbox();
+    let mut answers = app.nats.subscribe(inbox.clone()).await.unwrap();
+    let subject = format!("$JS.API.CONSUMER.MSG.NEXT.JOBS.{consumer}");
+    app.nats.publish_with_reply(subject, inbox, options.to_string().into()).await.unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(5), answers.next()).await.ok()??;
+    if answer.status.is_some() {
+        return None;
+    }
+    let pin = answer.headers.as_ref().and_then(|h| h.get("Nats-Pin-Id")).map(|v| v.to_string());
+    Some((answer.subject.to_string(), pin))
+}
+
+#[tokio::test]
+async fn consumers_are_created_confirmed_updated_and_deleted_as_the_server_holds_them() {
+    let app = TestApp::start().await;
+    setup(&app).await;
+    let body = json!({"policy":"pinned_client","group":"workers","pinned_ttl_ms":5000,"ack_wait_ms":10000,"max_ack_pending":50,"filter_subjects":["jobs.*"]});
+    let (status, view) = app.put("/v1/streams/JOBS/consumers/c1", body.clone()).await;
+    assert_eq!(status, 201, "{view}");
+    assert_eq!(view["policy"], "pinned_client");
+    assert_eq!(view["group"], "workers");
+    assert_eq!(view["pinned_ttl_ms"], 5000);
+    let info = app.js.get_stream("JOBS").await.unwrap().consumer_info("c1").await.unwrap();
+    assert_eq!(info.config.priority_policy, async_nats::jetstream::consumer::PriorityPolicy::PinnedClient);
+    assert_eq!(info.config.priority_groups, vec!["workers".to_owned()]);
+    assert_eq!(info.config.priority_timeout, Duration::from_secs(5));
+    assert_eq!(info.config.max_ack_pending, 50);
+    assert_eq!(app.put("/v1/streams/JOBS/consumers/c1", body.clone()).await.0, 200, "the same PUT confirms");
+    let mut changed = body.clone();
+    changed["ack_wait_ms"] = json!(20000);
+    let (status, view) = app.put("/v1/streams/JOBS/consumers/c1", changed).await;
+    assert_eq!((status, view["ack_wait_ms"].clone()), (200, json!(20000)));
+    let (status, view) = app.get("/v1/streams/JOBS/consumers/c1").await;
+    assert_eq!(status, 200);
+    assert_eq!(view["num_pending"], 0);
+    assert_eq!(app.delete("/v1/streams/JOBS/consumers/c1").await.0, 204);
+    assert_eq!(app.get("/v1/streams/JOBS/consumers/c1").await.0, 404);
+    assert_eq!(app.get("/v1/streams/NOPE/consumers/c1").await.0, 404);
+}
+
+#[tokio::test]
+async fn invalid_consumers_are_refused_before_anything_is_created() {
+    let app = TestApp::start().await;
+    setup(&app).await;
+    for (body, says) in [
+        (json!({"policy":"overflow"}), "needs a group"),
+        (json!({"group":"jobs"}), "needs a policy"),
+        (json!({"policy":"prioritized","group":"seventeen-chars-x"}), "16 characters"),
+        (json!({"policy":"overflow","group":"g","pinned_ttl_ms":1000}), "pinned_client policy only"),
+        (json!({"policy":"sticky","group":"g"}), "unknown variant"),
+        (json!({"max_ack_pending":0}), "max_ack_pending"),
+    ] {
+        let (status, problem) = app.put("/v1/streams/JOBS/consumers/bad", body.clone()).await;
+        assert_eq!(status, 400, "{body}: {problem}");
+        assert!(problem["detail"].as_str().unwrap().contains(says), "{body}: {problem}");
+    }
+    // A filter matching nothing the stream stores (the server would accept it) is a 422.
+    let (status, problem) = app.put("/v1/streams/JOBS/consumers/bad", json!({"filter_subjects":["other.*"]})).await;
+    assert_eq!(status, 422, "{problem}");
+    assert!(app.js.get_stream("JOBS").await.unwrap().consumer_info("bad").await.is_err(), "nothing was created");
+}
+
+#[tokio::test]
+async fn a_pinned_client_consumer_pins_one_puller_and_unpin_releases_it() {
+    let app = TestApp::start().await;
+    setup(&app).await;
+    let (status, _) = app.put("/v1/streams/JOBS/consumers/c", json!({"policy":"pinned_client","group":"g"})).await;
+    assert_eq!(status, 201);
+    for n in 0..3 {
+        app.js.publish(format!("jobs.{n}"), "x".into()).await.unwrap().await.unwrap();
+    }
+    let (_, pin) = pull(&app, "c", json!({"batch":1,"expires":1_000_000_000u64,"group":"g"})).await.unwrap();
+    let pin = pin.expect("the first puller is pinned");
+    let (_, view) = app.get("/v1/streams/JOBS/consumers/c").await;
+    assert_eq!(view["pinned_client_id"], pin.as_str());
+    assert!(view["pinned_since"].is_string());
+    let (status, view) = app.post("/v1/streams/JOBS/consumers/c/unpin", json!({})).await;
+    assert_eq!(status, 200, "{view}");
+    assert!(view["pinned_client_id"].is_null(), "{view}");
+    let (_, next_pin) = pull(&app, "c", json!({"batch":1,"expires":1_000_000_000u64,"group":"g"})).await.unwrap();
+    assert_ne!(next_pin.unwrap(), pin, "the next pull is pinned anew");
+    // Unpin is for pinned_client consumers only.
+    app.put("/v1/streams/JOBS/consumers/plain", json!({})).await;
+    assert_eq!(app.post("/v1/streams/JOBS/consumers/plain/unpin", json!({})).await.0, 409);
+}
+
+#[tokio::test]
+async fn an_overflow_consumer_serves_a_pull_only_above_its_min_pending() {
+    let app = TestApp::start().await;
+    setup(&app).await;
+    let (status, _) = app.put("/v1/streams/JOBS/consumers/far", json!({"policy":"overflow","group":"g"})).await;
+    assert_eq!(status, 201);
+    for n in 0..5 {
+        app.js.publish(format!("jobs.{n}"), "x".into()).await.unwrap().await.unwrap();
+    }
+    let far_region = json!({"batch":1,"expires":300_000_000u64,"group":"g","min_pending":10});
+    assert!(pull(&app, "far", far_region.clone()).await.is_none(), "5 pending: below the threshold, nothing");
+    for n in 5..12 {
+        app.js.publish(format!("jobs.{n}"), "x".into()).await.unwrap().await.unwrap();
+    }
+    assert!(pull(&app, "far", far_region).await.is_some(), "12 pending: the overflow is served");
+}
+
+#[tokio::test]
+async fn a_group_members_consumer_is_managed_through_its_group() {
+    let app = TestApp::start().await;
+    setup(&app).await;
+    let handle = app.js.get_stream("JOBS").await.unwrap();
+    handle
+        .create_consumer(async_nats::jetstream::consumer::pull::Config {
+            durable_name: Some("g-m1".into()),
+            priority_policy: async_nats::jetstream::consumer::PriorityPolicy::PinnedClient,
+            priority_groups: vec!["PCG".into()],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(app.put("/v1/streams/JOBS/consumers/g-m1", json!({})).await.0, 409);
+    assert_eq!(app.delete("/v1/streams/JOBS/consumers/g-m1").await.0, 409);
+}
