@@ -174,7 +174,7 @@ fn view(info: &consumer::Info) -> ConsumerView {
         consumer: info.name.clone(),
         policy,
         group: config.priority_groups.first().cloned(),
-        pinned_ttl_ms: (policy == Policy::PinnedClient).then(|| config.priority_timeout.as_millis() as u64),
+        pinned_ttl_ms: (policy == Policy::PinnedClient).then_some(config.priority_timeout.as_millis() as u64),
         ack_wait_ms: config.ack_wait.as_millis() as u64,
         max_ack_pending: config.max_ack_pending,
         filter_subjects,
