@@ -33,6 +33,8 @@ pub struct AppState {
     pub consumers: crate::consumers::Consumers,
     pub groups: GroupAdmin,
     pub webhooks: WebhookStore,
+    /// Consumer subscribers' webhooks.
+    pub consumer_webhooks: WebhookStore,
     pub events: EventBus,
     /// What member instances share (set once keygate is connected).
     pub instances: Option<Arc<InstanceContext>>,
@@ -59,7 +61,8 @@ impl AppState {
             streams: Streams::new(js.clone()),
             consumers: crate::consumers::Consumers::new(js.clone()),
             groups: GroupAdmin::new(js.clone()),
-            webhooks: WebhookStore::new(js.clone(), policy),
+            webhooks: WebhookStore::new(js.clone(), policy.clone()),
+            consumer_webhooks: WebhookStore::for_consumers(js.clone(), policy),
             events: EventBus::new(nats.clone()),
             verifier: verifier.map(Arc::new),
             instances: None,

@@ -67,7 +67,29 @@ pub struct Registration {
     pub timeout_ms: u64,
     pub max_attempts: u64,
     pub backoff: Backoff,
+    /// Consumer subscribers only: how they pull and how many deliveries run at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub subscriber: Option<SubscriberOptions>,
 }
+
+/// How a webhook subscriber of a plain consumer pulls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct SubscriberOptions {
+    /// `prioritized` consumers: 0 (served first) to 9.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<u8>,
+    /// `overflow` consumers: served only while at least this many messages wait.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_pending: Option<i64>,
+    /// `overflow` consumers: served only while at least this many are un-acked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_ack_pending: Option<i64>,
+    /// Deliveries in flight at once (no key order to keep).
+    pub concurrency: usize,
+}
+
+/// Where consumer subscribers' registrations are kept (key `<stream>.<consumer>.<subscriber>`).
+pub const CONSUMER_WEBHOOKS_BUCKET: &str = "keygate-consumer-webhooks";
 
 /// A registration as the API shows it.
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -94,30 +116,46 @@ pub fn registration_key(stream: &str, group: &str, member: &str) -> String {
 pub struct WebhookStore {
     js: jetstream::Context,
     policy: Arc<DestinationPolicy>,
+    bucket: &'static str,
 }
 
 impl WebhookStore {
-    /// Registrations through `js`, checked against `policy`.
+    /// Members' registrations through `js`, checked against `policy`.
     pub fn new(js: jetstream::Context, policy: Arc<DestinationPolicy>) -> Self {
-        Self { js, policy }
+        Self { js, policy, bucket: WEBHOOKS_BUCKET }
+    }
+
+    /// Consumer subscribers' registrations.
+    pub fn for_consumers(js: jetstream::Context, policy: Arc<DestinationPolicy>) -> Self {
+        Self { js, policy, bucket: CONSUMER_WEBHOOKS_BUCKET }
     }
 
     /// The bucket, created when missing.
     pub async fn bucket(&self) -> Result<kv::Store, ApiError> {
-        if let Ok(store) = self.js.get_key_value(WEBHOOKS_BUCKET).await {
+        if let Ok(store) = self.js.get_key_value(self.bucket).await {
             return Ok(store);
         }
-        let config = kv::Config { bucket: WEBHOOKS_BUCKET.into(), history: 1, ..Default::default() };
+        let config = kv::Config { bucket: self.bucket.into(), history: 1, ..Default::default() };
         match self.js.create_key_value(config).await {
             Ok(store) => Ok(store),
             Err(e) => {
-                self.js.get_key_value(WEBHOOKS_BUCKET).await.map_err(|_| unavailable_or_internal("webhook bucket", e))
+                self.js.get_key_value(self.bucket).await.map_err(|_| unavailable_or_internal("webhook bucket", e))
             }
         }
     }
 
-    /// Registers or replaces a member's webhook. Returns whether it was new.
+    /// Registers or replaces a webhook. Returns whether it was new.
     pub async fn put(&self, key: &str, spec: WebhookSpec) -> Result<(bool, Registration, Option<String>), ApiError> {
+        self.put_with(key, spec, None).await
+    }
+
+    /// Registers or replaces a webhook with subscriber options.
+    pub async fn put_with(
+        &self,
+        key: &str,
+        spec: WebhookSpec,
+        subscriber: Option<SubscriberOptions>,
+    ) -> Result<(bool, Registration, Option<String>), ApiError> {
         let url = self.policy.check_url(&spec.url).await.map_err(ApiError::Unprocessable)?;
         let timeout_ms = spec.timeout_ms.unwrap_or(10_000);
         if !(1..=300_000).contains(&timeout_ms) {
@@ -146,7 +184,7 @@ impl WebhookStore {
                 new
             }
         };
-        let registration = Registration { url: url.to_string(), secret, timeout_ms, max_attempts, backoff };
+        let registration = Registration { url: url.to_string(), secret, timeout_ms, max_attempts, backoff, subscriber };
         let bytes = Bytes::from(serde_json::to_vec(&registration).unwrap_or_default());
         store.put(key, bytes).await.map_err(|e| unavailable_or_internal("storing webhook", e))?;
         Ok((existing.is_none(), registration, generated))
@@ -159,7 +197,7 @@ impl WebhookStore {
 
     /// A member's registration.
     pub async fn get(&self, key: &str) -> Result<Option<Registration>, ApiError> {
-        match self.js.get_key_value(WEBHOOKS_BUCKET).await {
+        match self.js.get_key_value(self.bucket).await {
             Ok(store) => self.read(&store, key).await,
             Err(e) if is_not_found(&e) => Ok(None),
             Err(e) => Err(unavailable_or_internal("reading webhook", e)),

@@ -7,9 +7,10 @@ use axum::http::StatusCode;
 
 use super::extract::{Json, Path};
 use crate::app::AppState;
-use crate::consumers::{ConsumerPutOutcome, ConsumerSpec, ConsumerView};
+use crate::consumers::{ConsumerPutOutcome, ConsumerSpec, ConsumerView, Policy};
+use crate::delivery::webhook::{Backoff, Registration, SubscriberOptions, WebhookSpec};
 use crate::error::{ApiError, Problem};
-use crate::names::{ConsumerName, StreamName};
+use crate::names::{ConsumerName, MemberName, StreamName};
 
 /// Creates (201) or updates (200) a durable pull consumer with a policy.
 /// Refused configurations change nothing.
@@ -94,4 +95,176 @@ pub async fn unpin_consumer(
     Path((stream, consumer)): Path<(StreamName, ConsumerName)>,
 ) -> Result<Json<ConsumerView>, ApiError> {
     Ok(Json(state.consumers.unpin(&stream, &consumer).await?))
+}
+
+/// A webhook subscriber as `PUT …/consumers/{consumer}/subscribers/{subscriber}/webhook` takes it.
+#[derive(Debug, Clone, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SubscriberSpec {
+    /// Where messages are POSTed.
+    #[schema(example = "http://127.0.0.1:9000/jobs")]
+    pub url: String,
+    /// Standard Webhooks signing secret; generated when omitted on creation and returned once.
+    pub secret: Option<String>,
+    pub timeout_ms: Option<u64>,
+    pub max_attempts: Option<u64>,
+    pub backoff: Option<Backoff>,
+    /// `prioritized` consumers: 0 (served first) to 9 (default 0).
+    pub priority: Option<u8>,
+    /// `overflow` consumers: served only while at least this many messages wait.
+    pub min_pending: Option<i64>,
+    /// `overflow` consumers: served only while at least this many are un-acked.
+    pub min_ack_pending: Option<i64>,
+    /// Deliveries in flight at once, 1–256 (default 4).
+    pub concurrency: Option<usize>,
+}
+
+/// A consumer's webhook subscriber.
+#[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
+pub struct SubscriberView {
+    pub stream: String,
+    pub consumer: String,
+    pub subscriber: String,
+    pub url: String,
+    pub timeout_ms: u64,
+    pub max_attempts: u64,
+    pub backoff: Backoff,
+    pub options: SubscriberOptions,
+    /// The signing secret: only in the answer that generated it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
+}
+
+fn subscriber_view(
+    stream: &StreamName,
+    consumer: &ConsumerName,
+    subscriber: &MemberName,
+    r: Registration,
+    secret: Option<String>,
+) -> SubscriberView {
+    SubscriberView {
+        stream: stream.to_string(),
+        consumer: consumer.to_string(),
+        subscriber: subscriber.to_string(),
+        url: r.url,
+        timeout_ms: r.timeout_ms,
+        max_attempts: r.max_attempts,
+        backoff: r.backoff,
+        options: r.subscriber.unwrap_or(SubscriberOptions {
+            priority: None,
+            min_pending: None,
+            min_ack_pending: None,
+            concurrency: 1,
+        }),
+        secret,
+    }
+}
+
+/// The pull options a subscriber may use on a consumer with `policy`.
+fn subscriber_options(policy: Policy, spec: &SubscriberSpec) -> Result<SubscriberOptions, ApiError> {
+    let bad = |m: &str| Err(ApiError::BadRequest(m.to_owned()));
+    let concurrency = spec.concurrency.unwrap_or(4);
+    if !(1..=256).contains(&concurrency) {
+        return bad("concurrency must be between 1 and 256");
+    }
+    if spec.priority.is_some_and(|p| p > 9) {
+        return bad("priority must be between 0 and 9");
+    }
+    if spec.priority.is_some() && policy != Policy::Prioritized {
+        return bad("priority applies to prioritized consumers only");
+    }
+    if (spec.min_pending.is_some() || spec.min_ack_pending.is_some()) && policy != Policy::Overflow {
+        return bad("min_pending and min_ack_pending apply to overflow consumers only");
+    }
+    if spec.min_pending.is_some_and(|n| n < 0) || spec.min_ack_pending.is_some_and(|n| n < 0) {
+        return bad("min_pending and min_ack_pending must not be negative");
+    }
+    Ok(SubscriberOptions {
+        priority: spec.priority.or((policy == Policy::Prioritized).then_some(0)),
+        min_pending: spec.min_pending,
+        min_ack_pending: spec.min_ack_pending,
+        concurrency,
+    })
+}
+
+/// Registers (201) or replaces (200) the webhook subscribing to a consumer.
+/// Every keygate replica runs it; the consumer's policy decides which pulls
+/// the server serves (all, overflow only, the pinned one, the lowest priority).
+#[utoipa::path(
+    put,
+    path = "/v1/streams/{stream}/consumers/{consumer}/subscribers/{subscriber}/webhook",
+    tag = "consumers",
+    params(("stream" = String, Path), ("consumer" = String, Path), ("subscriber" = String, Path)),
+    request_body = SubscriberSpec,
+    responses(
+        (status = 201, description = "registered", body = SubscriberView),
+        (status = 200, description = "replaced", body = SubscriberView),
+        (status = 400, description = "invalid", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "unknown stream or consumer", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "destination not allowed", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn put_subscriber(
+    State(state): State<AppState>,
+    Path((stream, consumer, subscriber)): Path<(StreamName, ConsumerName, MemberName)>,
+    Json(spec): Json<SubscriberSpec>,
+) -> Result<(StatusCode, Json<SubscriberView>), ApiError> {
+    let current = state.consumers.get(&stream, &consumer).await?;
+    let options = subscriber_options(current.policy, &spec)?;
+    let webhook = WebhookSpec {
+        url: spec.url,
+        secret: spec.secret,
+        timeout_ms: spec.timeout_ms,
+        max_attempts: spec.max_attempts,
+        backoff: spec.backoff,
+    };
+    let key = format!("{stream}.{consumer}.{subscriber}");
+    let (created, registration, secret) = state.consumer_webhooks.put_with(&key, webhook, Some(options)).await?;
+    let status = if created { StatusCode::CREATED } else { StatusCode::OK };
+    Ok((status, Json(subscriber_view(&stream, &consumer, &subscriber, registration, secret))))
+}
+
+/// A consumer's webhook subscriber (without its secret).
+#[utoipa::path(
+    get,
+    path = "/v1/streams/{stream}/consumers/{consumer}/subscribers/{subscriber}/webhook",
+    tag = "consumers",
+    params(("stream" = String, Path), ("consumer" = String, Path), ("subscriber" = String, Path)),
+    responses(
+        (status = 200, description = "the registration", body = SubscriberView),
+        (status = 404, description = "none registered", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn get_subscriber(
+    State(state): State<AppState>,
+    Path((stream, consumer, subscriber)): Path<(StreamName, ConsumerName, MemberName)>,
+) -> Result<Json<SubscriberView>, ApiError> {
+    let registration = state
+        .consumer_webhooks
+        .get(&format!("{stream}.{consumer}.{subscriber}"))
+        .await?
+        .ok_or_else(|| ApiError::NotFound(format!("no subscriber {subscriber} on consumer {consumer}")))?;
+    Ok(Json(subscriber_view(&stream, &consumer, &subscriber, registration, None)))
+}
+
+/// Stops the consumer's webhook subscriber on every replica.
+#[utoipa::path(
+    delete,
+    path = "/v1/streams/{stream}/consumers/{consumer}/subscribers/{subscriber}/webhook",
+    tag = "consumers",
+    params(("stream" = String, Path), ("consumer" = String, Path), ("subscriber" = String, Path)),
+    responses(
+        (status = 204, description = "removed"),
+        (status = 404, description = "none registered", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn delete_subscriber(
+    State(state): State<AppState>,
+    Path((stream, consumer, subscriber)): Path<(StreamName, ConsumerName, MemberName)>,
+) -> Result<StatusCode, ApiError> {
+    if state.consumer_webhooks.delete(&format!("{stream}.{consumer}.{subscriber}")).await? {
+        Ok(StatusCode::NO_CONTENT)
+    } else {
+        Err(ApiError::NotFound(format!("no subscriber {subscriber} on consumer {consumer}")))
+    }
 }

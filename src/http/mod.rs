@@ -65,6 +65,7 @@ pub fn api() -> (Router<AppState>, utoipa::openapi::OpenApi) {
         .routes(routes!(groups::retry_partition_now))
         .routes(routes!(consumers::put_consumer, consumers::get_consumer, consumers::delete_consumer))
         .routes(routes!(consumers::unpin_consumer))
+        .routes(routes!(consumers::put_subscriber, consumers::get_subscriber, consumers::delete_subscriber))
         .routes(routes!(webhooks::put_webhook, webhooks::get_webhook, webhooks::delete_webhook))
         .routes(routes!(ws::join_member))
         .routes(routes!(events::events))

@@ -11,4 +11,5 @@ pub mod instance;
 pub mod lanes;
 pub mod observe;
 pub mod pull;
+pub mod subscriber;
 pub mod supervisor;

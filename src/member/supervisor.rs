@@ -11,8 +11,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::instance::{serve_webhook, InstanceContext, MemberRef};
-use crate::delivery::webhook::Registration;
-use crate::names::{GroupName, MemberName, StreamName};
+use super::subscriber::{serve_consumer_webhook, ConsumerTarget};
+use crate::delivery::webhook::{Registration, CONSUMER_WEBHOOKS_BUCKET, WEBHOOKS_BUCKET};
+use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
 
 struct Running {
     registration: Registration,
@@ -30,17 +31,55 @@ fn member_of(key: &str) -> Option<MemberRef> {
     })
 }
 
-/// Watches registrations until `shutdown`, then stops every instance
-/// (each finishes or NAKs its deliveries in flight) and returns.
+fn consumer_of(key: &str) -> Option<ConsumerTarget> {
+    let mut parts = key.splitn(3, '.');
+    Some(ConsumerTarget {
+        stream: StreamName::parse(parts.next()?).ok()?,
+        consumer: ConsumerName::parse(parts.next()?).ok()?,
+        subscriber: MemberName::parse(parts.next()?).ok()?,
+    })
+}
+
+/// Watches members' and consumer subscribers' registrations until
+/// `shutdown`, then stops every instance (each finishes or NAKs its
+/// deliveries in flight) and returns.
 pub async fn supervise(ctx: Arc<InstanceContext>, shutdown: CancellationToken) {
+    let members = supervise_bucket(ctx.clone(), WEBHOOKS_BUCKET, shutdown.clone(), |ctx, key, registration, token| {
+        let who = member_of(&key);
+        async move {
+            if let Some(who) = who {
+                tracing::info!(stream = %who.stream, group = %who.group, member = %who.member, url = %registration.url, "serving webhook member");
+                serve_webhook(ctx, who, registration, token).await;
+            }
+        }
+    });
+    let consumers = supervise_bucket(ctx, CONSUMER_WEBHOOKS_BUCKET, shutdown, |ctx, key, registration, token| {
+        let target = consumer_of(&key);
+        async move {
+            if let Some(target) = target {
+                tracing::info!(stream = %target.stream, consumer = %target.consumer, subscriber = %target.subscriber, url = %registration.url, "serving consumer subscriber");
+                serve_consumer_webhook(ctx, target, registration, token).await;
+            }
+        }
+    });
+    tokio::join!(members, consumers);
+}
+
+/// Runs `run` for every registration in `bucket`, restarting it when the
+/// registration changes and stopping it when it is removed.
+async fn supervise_bucket<F, Fut>(ctx: Arc<InstanceContext>, bucket: &'static str, shutdown: CancellationToken, run: F)
+where
+    F: Fn(Arc<InstanceContext>, String, Registration, CancellationToken) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     let tracker = TaskTracker::new();
     let mut running: HashMap<String, Running> = HashMap::new();
     'watching: while !shutdown.is_cancelled() {
         // The bucket appears with the first registration; until then, look again.
-        let store = match ctx.js.get_key_value(crate::delivery::webhook::WEBHOOKS_BUCKET).await {
+        let store = match ctx.js.get_key_value(bucket).await {
             Ok(store) => store,
             Err(e) => {
-                tracing::debug!(error = %e, "no webhook registrations yet");
+                tracing::debug!(bucket, error = %e, "no registrations yet");
                 tokio::select! {
                     () = tokio::time::sleep(Duration::from_secs(1)) => continue,
                     () = shutdown.cancelled() => break,
@@ -68,7 +107,6 @@ pub async fn supervise(ctx: Arc<InstanceContext>, shutdown: CancellationToken) {
                 // The watch ended (NATS reconnect): watch again from the start.
                 continue 'watching;
             };
-            let Some(who) = member_of(&entry.key) else { continue };
             let registration = match entry.operation {
                 async_nats::jetstream::kv::Operation::Put => serde_json::from_slice::<Registration>(&entry.value).ok(),
                 _ => None,
@@ -84,20 +122,19 @@ pub async fn supervise(ctx: Arc<InstanceContext>, shutdown: CancellationToken) {
                     });
                     let cancel = shutdown.child_token();
                     let (finished, done) = tokio::sync::watch::channel(false);
-                    tracing::info!(stream = %who.stream, group = %who.group, member = %who.member, url = %reg.url, "serving webhook member");
-                    let (ctx, registration, token) = (ctx.clone(), reg.clone(), cancel.clone());
+                    let serving = run(ctx.clone(), entry.key.clone(), reg.clone(), cancel.clone());
                     tracker.spawn(async move {
                         if let Some(mut previous) = previous {
                             let _ = previous.wait_for(|done| *done).await;
                         }
-                        serve_webhook(ctx, who, registration, token).await;
+                        serving.await;
                         let _ = finished.send(true);
                     });
                     running.insert(entry.key.clone(), Running { registration: reg, cancel, done });
                 }
                 (None, _) => {
                     if let Some(old) = running.remove(&entry.key) {
-                        tracing::info!(member = %who.member, "webhook registration removed: stopping");
+                        tracing::info!(key = %entry.key, bucket, "registration removed: stopping");
                         old.cancel.cancel();
                     }
                 }

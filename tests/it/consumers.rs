@@ -134,3 +134,76 @@ async fn a_group_members_consumer_is_managed_through_its_group() {
     assert_eq!(app.put("/v1/streams/JOBS/consumers/g-m1", json!({})).await.0, 409);
     assert_eq!(app.delete("/v1/streams/JOBS/consumers/g-m1").await.0, 409);
 }
+
+async fn publish_jobs(app: &TestApp, from: u64, count: u64) {
+    for n in from..from + count {
+        app.js.publish(format!("jobs.{n}"), format!("{{\"n\":{n}}}").into()).await.unwrap().await.unwrap();
+    }
+}
+
+async fn subscribe(app: &TestApp, consumer: &str, subscriber: &str, url: String, options: Value) -> Value {
+    let mut body = options;
+    body["url"] = json!(url);
+    let (status, view) =
+        app.put(&format!("/v1/streams/JOBS/consumers/{consumer}/subscribers/{subscriber}/webhook"), body).await;
+    assert_eq!(status, 201, "{view}");
+    view
+}
+
+#[tokio::test]
+async fn an_overflow_subscriber_idles_below_its_threshold_and_is_served_above_it() {
+    use crate::support::receiver::{Answer, Receiver};
+    let app = TestApp::start().await;
+    setup(&app).await;
+    app.put("/v1/streams/JOBS/consumers/far", json!({"policy":"overflow","group":"g"})).await;
+    let receiver = Receiver::start(|_, _| Answer::ok()).await;
+    let view = subscribe(&app, "far", "eu", receiver.url("/jobs"), json!({"min_pending": 10})).await;
+    assert_eq!(view["options"]["min_pending"], 10);
+    publish_jobs(&app, 0, 5).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(receiver.requests().is_empty(), "5 waiting: below the far region's threshold");
+    publish_jobs(&app, 5, 15).await;
+    crate::support::eventually(Duration::from_secs(15), || async {
+        (receiver.requests().iter().filter(|r| r.ok()).count() >= 5).then_some(())
+    })
+    .await;
+    let first = &receiver.requests()[0];
+    assert_eq!(first.header("keygate-group"), Some("far"));
+    assert_eq!(first.header("keygate-member"), Some("eu"));
+    assert!(first.header("webhook-signature").is_some());
+    // Pull options must fit the policy.
+    let (status, _) = app
+        .put("/v1/streams/JOBS/consumers/far/subscribers/x/webhook", json!({"url": receiver.url("/x"), "priority": 1}))
+        .await;
+    assert_eq!(status, 400);
+}
+
+#[tokio::test]
+async fn prioritized_subscribers_are_served_lowest_priority_first_and_the_next_takes_over() {
+    use crate::support::receiver::{Answer, Receiver};
+    let app = TestApp::start().await;
+    setup(&app).await;
+    app.put("/v1/streams/JOBS/consumers/pri", json!({"policy":"prioritized","group":"g"})).await;
+    let near = Receiver::start(|_, _| Answer::ok()).await;
+    let far = Receiver::start(|_, _| Answer::ok()).await;
+    subscribe(&app, "pri", "near", near.url("/n"), json!({"priority": 0, "concurrency": 2})).await;
+    subscribe(&app, "pri", "far", far.url("/f"), json!({"priority": 5})).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    publish_jobs(&app, 0, 20).await;
+    crate::support::eventually(Duration::from_secs(15), || async {
+        (near.requests().iter().filter(|r| r.ok()).count() == 20).then_some(())
+    })
+    .await;
+    assert!(far.requests().is_empty(), "priority 5 waits while 0 pulls");
+    // Priority 0 stops pulling: 5 takes over.
+    assert_eq!(app.delete("/v1/streams/JOBS/consumers/pri/subscribers/near/webhook").await.0, 204);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    publish_jobs(&app, 20, 10).await;
+    crate::support::eventually(Duration::from_secs(15), || async {
+        (far.requests().iter().filter(|r| r.ok()).count() == 10).then_some(())
+    })
+    .await;
+    let info = app.js.get_stream("JOBS").await.unwrap().consumer_info("pri").await.unwrap();
+    assert_eq!(info.num_ack_pending, 0);
+    assert_eq!(info.num_pending, 0, "nothing lost");
+}

@@ -1,0 +1,244 @@
+//! A webhook subscriber of a plain consumer (no key order): pulls with the
+//! consumer's priority group and the subscriber's options (`priority`,
+//! `min_pending`, `min_ack_pending`, the pin id), and delivers up to
+//! `concurrency` messages at once with the same verdicts, dead letters and
+//! events as group members.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, consumer::PriorityPolicy};
+use futures::StreamExt;
+use serde::Serialize;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use super::deliver::{deliver, origin_of, Delivered};
+use super::fencing::next_token;
+use super::instance::{InstanceContext, MemberRef};
+use super::pull::{classify, next_subject, Reply};
+use crate::delivery::endpoint::Endpoint;
+use crate::delivery::signing::SigningKey;
+use crate::delivery::webhook::{Registration, SubscriberOptions};
+use crate::events::EventType;
+use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
+
+/// How long one pull waits at the server.
+const PULL_EXPIRY: Duration = Duration::from_secs(5);
+/// Fewest messages a subscriber takes in at once.
+const MIN_PREFETCH: usize = 64;
+
+/// A named subscriber of a consumer (a consumer may have several, each
+/// with its own pull options: a near and a far region, priorities 0 and 5).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConsumerTarget {
+    pub stream: StreamName,
+    pub consumer: ConsumerName,
+    pub subscriber: MemberName,
+}
+
+/// A pull request with the subscriber's options.
+#[derive(Debug, Serialize)]
+struct Pull<'a> {
+    batch: usize,
+    expires: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    group: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    id: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    priority: Option<u8>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    min_pending: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    min_ack_pending: Option<i64>,
+}
+
+/// Serves `target` through the registration's webhook until `cancel`.
+pub async fn serve_consumer_webhook(
+    ctx: Arc<InstanceContext>,
+    target: ConsumerTarget,
+    registration: Registration,
+    cancel: CancellationToken,
+) {
+    let Ok(key) = SigningKey::parse(&registration.secret) else {
+        tracing::error!(consumer = %target.consumer, "subscriber registration has an unusable secret");
+        return;
+    };
+    let options = registration.subscriber.unwrap_or(SubscriberOptions {
+        priority: None,
+        min_pending: None,
+        min_ack_pending: None,
+        concurrency: 1,
+    });
+    let endpoint = Arc::new(Endpoint::Webhook { registration, key });
+    // Events of a subscriber: keygate.events.<stream>.<consumer>.<subscriber>.<type>.
+    let Ok(group) = GroupName::parse(target.consumer.as_str()) else { return };
+    let who = MemberRef { stream: target.stream.clone(), group, member: target.subscriber.clone() };
+    while !cancel.is_cancelled() {
+        match Box::pin(serve_once(&ctx, &target, &who, &endpoint, options, &cancel)).await {
+            Ok(()) => return,
+            Err(why) => {
+                tracing::debug!(consumer = %target.consumer, %why, "subscriber pausing");
+                tokio::select! {
+                    () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    () = cancel.cancelled() => return,
+                }
+            }
+        }
+    }
+}
+
+/// One run against the consumer as it is now; `Err` when it is missing or
+/// was deleted (look again later).
+async fn serve_once(
+    ctx: &Arc<InstanceContext>,
+    target: &ConsumerTarget,
+    who: &MemberRef,
+    endpoint: &Arc<Endpoint>,
+    options: SubscriberOptions,
+    cancel: &CancellationToken,
+) -> Result<(), String> {
+    let stream = ctx.js.get_stream_no_info(target.stream.as_str()).await.map_err(|e| e.to_string())?;
+    let info = stream.consumer_info(target.consumer.as_str()).await.map_err(|e| e.to_string())?;
+    let group = info.config.priority_groups.first().cloned();
+    let pinned_policy = info.config.priority_policy == PriorityPolicy::PinnedClient;
+    let inbox = ctx.nats.new_inbox();
+    let mut replies = ctx.nats.subscribe(format!("{inbox}.*")).await.map_err(|e| e.to_string())?;
+    let concurrency = options.concurrency.max(1);
+    // Messages held at once (in flight + queued): enough that a burst goes
+    // to this subscriber rather than past it to a lower-priority one.
+    let prefetch = (4 * concurrency).max(MIN_PREFETCH);
+    let mut progress = tokio::time::interval((info.config.ack_wait / 3).max(Duration::from_millis(100)));
+    let mut deliveries = JoinSet::new();
+    // Received, waiting for a delivery slot: keeps a pull open while all
+    // slots are busy, so a prioritized or overflow subscriber stays "pulling"
+    // (the server serves others only when it is saturated).
+    let mut queued: VecDeque<Arc<Delivered>> = VecDeque::new();
+    let mut pin: Option<String> = None;
+    let mut fencing = 0u64;
+    // The open pull: its inbox, messages still due, and when it expires.
+    let mut outstanding: Option<(String, usize, Instant)> = None;
+    let mut pulls = 0u64;
+    let end = loop {
+        if outstanding.as_ref().is_some_and(|(_, remaining, deadline)| *remaining == 0 || *deadline <= Instant::now()) {
+            outstanding = None;
+        }
+        while deliveries.len() < concurrency {
+            let Some(held) = queued.pop_front() else { break };
+            let (ctx, who, endpoint) = (ctx.clone(), who.clone(), endpoint.clone());
+            deliveries.spawn(async move { deliver(ctx, who, endpoint, held, fencing).await.events });
+        }
+        let room = prefetch.saturating_sub(deliveries.len() + queued.len());
+        if outstanding.is_none() && room > 0 {
+            pulls += 1;
+            let reply = format!("{inbox}.{pulls}");
+            let body = Pull {
+                batch: room,
+                expires: PULL_EXPIRY.as_nanos() as u64,
+                group: group.as_deref(),
+                id: pin.as_deref(),
+                priority: options.priority,
+                min_pending: options.min_pending,
+                min_ack_pending: options.min_ack_pending,
+            };
+            let payload = serde_json::to_vec(&body).unwrap_or_default();
+            let subject = next_subject(target.stream.as_str(), target.consumer.as_str());
+            if ctx.nats.publish_with_reply(subject, reply.clone(), payload.into()).await.is_ok() {
+                outstanding = Some((reply, room, Instant::now() + PULL_EXPIRY + Duration::from_millis(500)));
+            }
+        }
+        let deadline = outstanding.as_ref().map_or_else(|| Instant::now() + Duration::from_secs(1), |(_, _, d)| *d);
+        tokio::select! {
+            () = cancel.cancelled() => break Ok(()),
+            done = deliveries.join_next(), if !deliveries.is_empty() => {
+                if let Some(Ok(events)) = done {
+                    for e in events {
+                        ctx.events.emit(e);
+                    }
+                }
+            }
+            () = tokio::time::sleep_until(deadline.into()) => {}
+            _ = progress.tick() => {
+                // Queued messages wait for a slot: keep them from timing out.
+                for held in &queued {
+                    let _ = held.message.ack_with(jetstream::AckKind::Progress).await;
+                }
+            }
+            reply = replies.next() => {
+                let Some(reply) = reply else { break Err("reply subscription closed".to_owned()) };
+                match classify(reply.status, reply.description.as_deref(), reply.headers.as_ref()) {
+                    Reply::Message { pin: given } => {
+                        if let Some((_, remaining, _)) = outstanding.as_mut() {
+                            *remaining = remaining.saturating_sub(1);
+                        }
+                        if pinned_policy && given.is_some() && given != pin {
+                            pin = given.clone();
+                            fencing = next_token(&ctx.js, &fencing_key(target)).await.unwrap_or(fencing + 1);
+                            let mut e = who.event(ctx, EventType::MemberPinned);
+                            e.pin_id = given;
+                            e.fencing_token = Some(fencing);
+                            ctx.events.emit(e);
+                        }
+                        if let Some(held) = held(ctx, target, reply) {
+                            queued.push_back(held);
+                        }
+                    }
+                    Reply::Done => outstanding = None,
+                    Reply::PinRejected { description } => {
+                        outstanding = None;
+                        if pin.take().is_some() {
+                            let mut e = who.event(ctx, EventType::MemberUnpinned);
+                            e.reason = Some(description);
+                            ctx.events.emit(e);
+                        }
+                    }
+                    Reply::ConsumerDeleted => break Err("consumer deleted".to_owned()),
+                    Reply::Conflict { description } | Reply::BadRequest { description } => {
+                        outstanding = None;
+                        tracing::debug!(%description, "pull refused");
+                        tokio::time::sleep(Duration::from_millis(250)).await;
+                    }
+                    Reply::Ignore => {}
+                }
+            }
+        }
+    };
+    // Messages not yet handed to the endpoint go back at once.
+    for held in queued {
+        let _ = held.message.ack_with(jetstream::AckKind::Nak(None)).await;
+    }
+    // Deliveries in flight finish (bounded by the webhook timeout).
+    while let Some(done) = deliveries.join_next().await {
+        if let Ok(events) = done {
+            for e in events {
+                ctx.events.emit(e);
+            }
+        }
+    }
+    if pin.is_some() {
+        if let Ok(stream) = ctx.js.get_stream_no_info(target.stream.as_str()).await {
+            let _ = stream.unpin_consumer(target.consumer.as_str(), group.as_deref().unwrap_or_default()).await;
+        }
+    }
+    end
+}
+
+fn fencing_key(target: &ConsumerTarget) -> String {
+    format!("{}.{}.{}.consumer", target.stream, target.consumer, target.subscriber)
+}
+
+/// A pulled message as a delivery (partition 0 unless the stream stamps one).
+fn held(ctx: &InstanceContext, target: &ConsumerTarget, reply: async_nats::Message) -> Option<Arc<Delivered>> {
+    let message = jetstream::Message { message: reply, context: ctx.js.clone() };
+    let info = message.info().ok()?;
+    let (stream_seq, attempt) = (info.stream_sequence, info.delivered.max(1) as u64);
+    let full = message.subject.to_string();
+    let (partition, subject) = match full.split_once('.') {
+        Some((p, rest)) if p.parse::<u32>().is_ok() => (p.parse().unwrap_or(0), rest.to_owned()),
+        _ => (0, full.clone()),
+    };
+    let (origin_stream, origin_seq) = origin_of(&message, target.stream.as_str(), stream_seq);
+    Some(Arc::new(Delivered { message, partition, stream_seq, attempt, subject, key: None, origin_stream, origin_seq }))
+}
