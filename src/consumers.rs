@@ -57,6 +57,51 @@ pub struct ConsumerSpec {
     pub max_ack_pending: Option<i64>,
     /// Only these subjects of the stream (default: all).
     pub filter_subjects: Option<Vec<String>>,
+    /// Break publish order cheaply: subscribers delay a share of first
+    /// deliveries by a random NAK delay.
+    pub shuffle: Option<Shuffle>,
+}
+
+/// Bounded shuffling: a first delivery is, with `probability`, NAK'd with
+/// a random delay in `[min_delay_ms, max_delay_ms]` instead of delivered;
+/// redeliveries go out at once; at most `max_window` messages are delayed
+/// at a time (per subscriber instance).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Shuffle {
+    #[schema(example = 0.5)]
+    pub probability: f64,
+    #[schema(example = 100)]
+    pub min_delay_ms: u64,
+    #[schema(example = 2000)]
+    pub max_delay_ms: u64,
+    #[schema(example = 500)]
+    pub max_window: u64,
+}
+
+/// Where a consumer's shuffle settings live: its own metadata, so every
+/// subscriber on every replica reads them with the consumer.
+pub const SHUFFLE_METADATA: &str = "keygate.shuffle";
+
+impl Shuffle {
+    fn check(&self) -> Result<(), ApiError> {
+        let bad = |m: &str| Err(ApiError::BadRequest(format!("shuffle: {m}")));
+        if !(self.probability > 0.0 && self.probability <= 1.0) {
+            return bad("probability must be above 0 and at most 1");
+        }
+        if self.min_delay_ms > self.max_delay_ms || self.max_delay_ms == 0 || self.max_delay_ms > 3_600_000 {
+            return bad("need 0 <= min_delay_ms <= max_delay_ms <= 3600000 and max_delay_ms > 0");
+        }
+        if !(1..=100_000).contains(&self.max_window) {
+            return bad("max_window must be between 1 and 100000");
+        }
+        Ok(())
+    }
+
+    /// A consumer's shuffle settings, from its metadata.
+    pub fn of(config: &consumer::Config) -> Option<Self> {
+        serde_json::from_str(config.metadata.get(SHUFFLE_METADATA)?).ok()
+    }
 }
 
 /// A consumer, its pin and its backlog.
@@ -81,6 +126,7 @@ pub struct ConsumerView {
     pub num_ack_pending: usize,
     /// Pull requests waiting at the server.
     pub waiting_pulls: usize,
+    pub shuffle: Option<Shuffle>,
 }
 
 /// What `PUT` did.
@@ -119,9 +165,17 @@ impl ConsumerSpec {
         if self.pinned_ttl_ms == Some(0) || self.ack_wait_ms == Some(0) {
             return bad("pinned_ttl_ms and ack_wait_ms must be at least 1".into());
         }
-        let max_ack_pending = self.max_ack_pending.unwrap_or(DEFAULT_MAX_ACK_PENDING);
+        let mut max_ack_pending = self.max_ack_pending.unwrap_or(DEFAULT_MAX_ACK_PENDING);
         if !(1..=1_000_000).contains(&max_ack_pending) {
             return bad("max_ack_pending must be between 1 and 1000000".into());
+        }
+        let mut metadata = std::collections::HashMap::new();
+        if let Some(shuffle) = &self.shuffle {
+            shuffle.check()?;
+            // Delayed messages are un-acked: without room above the window
+            // the cap would throttle deliveries by surprise.
+            max_ack_pending += shuffle.max_window as i64;
+            metadata.insert(SHUFFLE_METADATA.to_owned(), serde_json::to_string(shuffle).unwrap_or_default());
         }
         let filters = self.filter_subjects.unwrap_or_default();
         for filter in &filters {
@@ -147,6 +201,7 @@ impl ConsumerSpec {
             },
             priority_groups: self.group.into_iter().collect(),
             priority_timeout: self.pinned_ttl_ms.map(Duration::from_millis).unwrap_or_default(),
+            metadata,
             ..Default::default()
         })
     }
@@ -183,6 +238,7 @@ fn view(info: &consumer::Info) -> ConsumerView {
         num_pending: info.num_pending,
         num_ack_pending: info.num_ack_pending,
         waiting_pulls: info.num_waiting,
+        shuffle: Shuffle::of(config),
     }
 }
 
@@ -348,6 +404,7 @@ fn same(existing: &consumer::Config, wanted: &consumer::pull::Config) -> bool {
         && existing.ack_wait == wanted.ack_wait
         && existing.max_ack_pending == wanted.max_ack_pending
         && existing_filters == wanted.filter_subjects
+        && existing.metadata.get(SHUFFLE_METADATA) == wanted.metadata.get(SHUFFLE_METADATA)
 }
 
 #[cfg(test)]

@@ -26,6 +26,10 @@ pub const MEMBER_INSTANCES: &str = "keygate_member_instances";
 pub const BLOCKED_PARTITIONS: &str = "keygate_blocked_partitions";
 /// Messages not yet delivered per partition of a group (sampled).
 pub const PARTITION_PENDING: &str = "keygate_partition_pending_messages";
+/// Messages a consumer subscriber holds delayed by shuffling right now.
+pub const SHUFFLE_WINDOW: &str = "keygate_shuffle_window_messages";
+/// First deliveries delayed by shuffling.
+pub const SHUFFLE_DELAYED: &str = "keygate_shuffle_delayed_total";
 /// Open WebSocket member connections.
 pub const WS_CONNECTIONS: &str = "keygate_websocket_connections";
 /// HTTP requests by route template, method and status.

@@ -104,6 +104,8 @@ async fn serve_once(
     let info = stream.consumer_info(target.consumer.as_str()).await.map_err(|e| e.to_string())?;
     let group = info.config.priority_groups.first().cloned();
     let pinned_policy = info.config.priority_policy == PriorityPolicy::PinnedClient;
+    let shuffle = crate::consumers::Shuffle::of(&info.config);
+    let mut window = ShuffleWindow::new(target);
     let inbox = ctx.nats.new_inbox();
     let mut replies = ctx.nats.subscribe(format!("{inbox}.*")).await.map_err(|e| e.to_string())?;
     let concurrency = options.concurrency.max(1);
@@ -161,6 +163,7 @@ async fn serve_once(
             }
             () = tokio::time::sleep_until(deadline.into()) => {}
             _ = progress.tick() => {
+                window.refresh();
                 // Queued messages wait for a slot: keep them from timing out.
                 for held in &queued {
                     let _ = held.message.ack_with(jetstream::AckKind::Progress).await;
@@ -181,9 +184,12 @@ async fn serve_once(
                             e.fencing_token = Some(fencing);
                             ctx.events.emit(e);
                         }
-                        if let Some(held) = held(ctx, target, reply) {
-                            queued.push_back(held);
+                        let Some(held) = held(ctx, target, reply) else { continue };
+                        if let Some(delay) = shuffle.and_then(|s| window.delay_first_delivery(&s, held.attempt)) {
+                            let _ = held.message.ack_with(jetstream::AckKind::Nak(Some(delay))).await;
+                            continue;
                         }
+                        queued.push_back(held);
                     }
                     Reply::Done => outstanding = None,
                     Reply::PinRejected { description } => {
@@ -227,6 +233,58 @@ async fn serve_once(
 
 fn fencing_key(target: &ConsumerTarget) -> String {
     format!("{}.{}.{}.consumer", target.stream, target.consumer, target.subscriber)
+}
+
+/// The messages a subscriber instance has delayed whose delay still runs.
+struct ShuffleWindow {
+    until: std::collections::BinaryHeap<std::cmp::Reverse<Instant>>,
+    size: metrics::Gauge,
+    delayed: metrics::Counter,
+}
+
+impl ShuffleWindow {
+    fn new(target: &ConsumerTarget) -> Self {
+        let labels = [("stream", target.stream.to_string()), ("consumer", target.consumer.to_string())];
+        Self {
+            until: Default::default(),
+            size: metrics::gauge!(crate::metrics::SHUFFLE_WINDOW, &labels),
+            delayed: metrics::counter!(crate::metrics::SHUFFLE_DELAYED, &labels),
+        }
+    }
+
+    /// A delay for this delivery, if it is a first delivery chosen to be
+    /// delayed and the window has room.
+    fn delay_first_delivery(&mut self, shuffle: &crate::consumers::Shuffle, attempt: u64) -> Option<Duration> {
+        self.refresh();
+        let now = Instant::now();
+        let delay = (attempt == 1
+            && (self.until.len() as u64) < shuffle.max_window
+            && rand::random::<f64>() < shuffle.probability)
+            .then(|| Duration::from_millis(rand::random_range(shuffle.min_delay_ms..=shuffle.max_delay_ms)));
+        if let Some(delay) = delay {
+            self.until.push(std::cmp::Reverse(now + delay));
+            self.delayed.increment(1);
+        }
+        self.size.set(self.until.len() as f64);
+        delay
+    }
+}
+
+impl ShuffleWindow {
+    /// Forgets delays that have run out and publishes the window's size.
+    fn refresh(&mut self) {
+        let now = Instant::now();
+        while self.until.peek().is_some_and(|std::cmp::Reverse(t)| *t <= now) {
+            self.until.pop();
+        }
+        self.size.set(self.until.len() as f64);
+    }
+}
+
+impl Drop for ShuffleWindow {
+    fn drop(&mut self) {
+        self.size.set(0.0);
+    }
 }
 
 /// A pulled message as a delivery (partition 0 unless the stream stamps one).

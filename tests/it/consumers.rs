@@ -207,3 +207,55 @@ async fn prioritized_subscribers_are_served_lowest_priority_first_and_the_next_t
     assert_eq!(info.num_ack_pending, 0);
     assert_eq!(info.num_pending, 0, "nothing lost");
 }
+
+/// Spearman's rank correlation of two orders of the same items.
+fn rank_correlation(order: &[u64]) -> f64 {
+    let mut by_value: Vec<(usize, u64)> = order.iter().copied().enumerate().collect();
+    by_value.sort_by_key(|(_, v)| *v);
+    let n = order.len() as f64;
+    let d2: f64 =
+        by_value.iter().enumerate().map(|(rank, (position, _))| (rank as f64 - *position as f64).powi(2)).sum();
+    1.0 - 6.0 * d2 / (n * (n * n - 1.0))
+}
+
+#[tokio::test]
+async fn shuffling_breaks_publish_order_within_its_window_and_loses_nothing() {
+    use crate::support::receiver::{Answer, Receiver};
+    let app = TestApp::start().await;
+    setup(&app).await;
+    let shuffle = json!({"probability":0.5,"min_delay_ms":50,"max_delay_ms":400,"max_window":40});
+    let (status, view) =
+        app.put("/v1/streams/JOBS/consumers/mix", json!({"shuffle": shuffle, "max_ack_pending": 100})).await;
+    assert_eq!(status, 201, "{view}");
+    assert_eq!(view["shuffle"], shuffle);
+    assert_eq!(view["max_ack_pending"], 140, "raised above the window");
+    let receiver = Receiver::start(|_, _| Answer::ok()).await;
+    subscribe(&app, "mix", "w", receiver.url("/w"), json!({"concurrency": 1})).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    publish_jobs(&app, 0, 300).await;
+    let series = r#"keygate_shuffle_window_messages{stream="JOBS",consumer="mix"}"#;
+    let mut peak = 0.0f64;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let text = app.http.get(app.url("/metrics")).send().await.unwrap().text().await.unwrap();
+        if let Some(v) = text.lines().find_map(|l| l.strip_prefix(series)?.trim().parse::<f64>().ok()) {
+            peak = peak.max(v);
+        }
+        let acked: std::collections::HashSet<u64> =
+            receiver.requests().iter().filter(|r| r.ok()).map(|r| r.seq()).collect();
+        if acked.len() == 300 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "only {} of 300 delivered", acked.len());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut seen = std::collections::HashSet::new();
+    let order: Vec<u64> =
+        receiver.requests().iter().filter(|r| r.ok()).map(|r| r.seq()).filter(|s| seen.insert(*s)).collect();
+    let rho = rank_correlation(&order);
+    println!("shuffle: rank correlation between publish and processing order {rho:.3} (1 = publish order); window peak {peak}");
+    assert!(rho < 0.97, "order measurably broken: rho {rho}");
+    assert!(peak <= 40.0 && peak > 0.0, "window peak {peak}");
+    let info = app.js.get_stream("JOBS").await.unwrap().consumer_info("mix").await.unwrap();
+    assert_eq!((info.num_pending, info.num_ack_pending), (0, 0), "nothing lost or left");
+}
