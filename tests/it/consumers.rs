@@ -259,3 +259,57 @@ async fn shuffling_breaks_publish_order_within_its_window_and_loses_nothing() {
     let info = app.js.get_stream("JOBS").await.unwrap().consumer_info("mix").await.unwrap();
     assert_eq!((info.num_pending, info.num_ack_pending), (0, 0), "nothing lost or left");
 }
+
+#[tokio::test]
+async fn a_pinned_client_subscriber_fails_over_to_the_other_replica_after_the_pin_ttl() {
+    use crate::support::receiver::{Answer, Receiver};
+    use crate::support::{http_client, KeygateProcess, NatsServer};
+    let server = NatsServer::start();
+    let http = http_client();
+    let mut replicas = vec![KeygateProcess::start(&server.url(), "kg-a"), KeygateProcess::start(&server.url(), "kg-b")];
+    for r in &replicas {
+        r.wait_ready(&http).await;
+    }
+    let nats = async_nats::connect(server.url()).await.unwrap();
+    let js = async_nats::jetstream::new(nats.clone());
+    let mut pinned_events = nats.subscribe("keygate.events.JOBS.pinc.w.member.pinned").await.unwrap();
+    let api = |path: &str| format!("{}{}", replicas[0].base, path);
+    http.put(api("/v1/streams/JOBS")).json(&json!({"subjects":["jobs.*"]})).send().await.unwrap();
+    let consumer = json!({"policy":"pinned_client","group":"g","pinned_ttl_ms":1500});
+    assert_eq!(http.put(api("/v1/streams/JOBS/consumers/pinc")).json(&consumer).send().await.unwrap().status(), 201);
+    let receiver = Receiver::start(|_, _| Answer::ok()).await;
+    let hook = json!({"url": receiver.url("/w")});
+    let r = http.put(api("/v1/streams/JOBS/consumers/pinc/subscribers/w/webhook")).json(&hook).send().await.unwrap();
+    assert_eq!(r.status(), 201);
+    for n in 0..10 {
+        js.publish(format!("jobs.{n}"), "x".into()).await.unwrap().await.unwrap();
+    }
+    let first: Value = serde_json::from_slice(
+        &tokio::time::timeout(Duration::from_secs(15), pinned_events.next()).await.unwrap().unwrap().payload,
+    )
+    .unwrap();
+    crate::support::eventually(Duration::from_secs(15), || async {
+        (receiver.requests().iter().filter(|r| r.ok()).count() >= 10).then_some(())
+    })
+    .await;
+    let tokens: std::collections::HashSet<u64> = receiver.requests().iter().map(|r| r.fencing()).collect();
+    assert_eq!(tokens.len(), 1, "one pinned replica delivered everything: {tokens:?}");
+    // Kill the pinned replica: no unpin; the server re-pins after the TTL.
+    let pinned = if first["instance"] == "kg-a" { 0 } else { 1 };
+    replicas[pinned].kill();
+    for n in 10..20 {
+        js.publish(format!("jobs.{n}"), "x".into()).await.unwrap().await.unwrap();
+    }
+    let second: Value = serde_json::from_slice(
+        &tokio::time::timeout(Duration::from_secs(15), pinned_events.next()).await.unwrap().unwrap().payload,
+    )
+    .unwrap();
+    assert_ne!(second["instance"], first["instance"], "the other replica took over");
+    assert!(second["fencing_token"].as_u64() > first["fencing_token"].as_u64());
+    crate::support::eventually(Duration::from_secs(15), || async {
+        let acked: std::collections::HashSet<u64> =
+            receiver.requests().iter().filter(|r| r.ok()).map(|r| r.seq()).collect();
+        (acked.len() == 20).then_some(())
+    })
+    .await;
+}
