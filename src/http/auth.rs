@@ -61,7 +61,9 @@ pub fn access_for(method: &Method, template: &str) -> Access {
     if template == "/v1/events" {
         return Access::ConsumeQueryGroup;
     }
-    if *method == Method::GET && template.ends_with("/members/{member}/ws") {
+    if *method == Method::GET
+        && (template.ends_with("/members/{member}/ws") || template.ends_with("/subscribers/{subscriber}/ws"))
+    {
         return Access::ConsumePathGroup;
     }
     if *method == Method::POST
@@ -136,9 +138,11 @@ fn requirement(
             stream: stream(path_param("stream"))?
                 .ok_or_else(|| ApiError::BadRequest("no stream in the path".into()))?,
         },
-        Access::ConsumePathGroup => {
-            Requirement::Consume { stream: stream(path_param("stream"))?, group: group(path_param("group"))? }
-        }
+        // A consumer's subscribers take the consumer's name where a group's would be.
+        Access::ConsumePathGroup => Requirement::Consume {
+            stream: stream(path_param("stream"))?,
+            group: group(path_param("group").or_else(|| path_param("consumer")))?,
+        },
         Access::ConsumeQueryGroup => {
             let stream = stream(query.remove("stream"))?;
             // A group without its stream names nothing narrower than every stream.
@@ -191,7 +195,9 @@ pub fn document_security(doc: &mut OpenApi) {
         for (method, operation) in operations {
             let Some(operation) = operation.as_mut() else { continue };
             let Some(scope) = access_for(&method, path).documented_scope() else { continue };
-            operation.security = Some(vec![SecurityRequirement::new(BEARER, [scope])]);
+            let scope =
+                if path.contains("{consumer}") { scope.replace("{group}", "{consumer}") } else { scope.to_owned() };
+            operation.security = Some(vec![SecurityRequirement::new(BEARER, [scope.as_str()])]);
             for (status, description) in [
                 ("401", "no bearer token, or one that does not verify"),
                 ("403", "the token lacks the scope this operation needs"),

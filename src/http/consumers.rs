@@ -160,29 +160,36 @@ fn subscriber_view(
     }
 }
 
-/// The pull options a subscriber may use on a consumer with `policy`.
-fn subscriber_options(policy: Policy, spec: &SubscriberSpec) -> Result<SubscriberOptions, ApiError> {
+/// The pull options a subscriber (webhook or WebSocket) may use on a
+/// consumer with `policy`.
+pub fn pull_options(
+    policy: Policy,
+    priority: Option<u8>,
+    min_pending: Option<i64>,
+    min_ack_pending: Option<i64>,
+    concurrency: Option<usize>,
+) -> Result<SubscriberOptions, ApiError> {
     let bad = |m: &str| Err(ApiError::BadRequest(m.to_owned()));
-    let concurrency = spec.concurrency.unwrap_or(4);
+    let concurrency = concurrency.unwrap_or(4);
     if !(1..=256).contains(&concurrency) {
         return bad("concurrency must be between 1 and 256");
     }
-    if spec.priority.is_some_and(|p| p > 9) {
+    if priority.is_some_and(|p| p > 9) {
         return bad("priority must be between 0 and 9");
     }
-    if spec.priority.is_some() && policy != Policy::Prioritized {
+    if priority.is_some() && policy != Policy::Prioritized {
         return bad("priority applies to prioritized consumers only");
     }
-    if (spec.min_pending.is_some() || spec.min_ack_pending.is_some()) && policy != Policy::Overflow {
+    if (min_pending.is_some() || min_ack_pending.is_some()) && policy != Policy::Overflow {
         return bad("min_pending and min_ack_pending apply to overflow consumers only");
     }
-    if spec.min_pending.is_some_and(|n| n < 0) || spec.min_ack_pending.is_some_and(|n| n < 0) {
+    if min_pending.is_some_and(|n| n < 0) || min_ack_pending.is_some_and(|n| n < 0) {
         return bad("min_pending and min_ack_pending must not be negative");
     }
     Ok(SubscriberOptions {
-        priority: spec.priority.or((policy == Policy::Prioritized).then_some(0)),
-        min_pending: spec.min_pending,
-        min_ack_pending: spec.min_ack_pending,
+        priority: priority.or((policy == Policy::Prioritized).then_some(0)),
+        min_pending,
+        min_ack_pending,
         concurrency,
     })
 }
@@ -210,7 +217,8 @@ pub async fn put_subscriber(
     Json(spec): Json<SubscriberSpec>,
 ) -> Result<(StatusCode, Json<SubscriberView>), ApiError> {
     let current = state.consumers.get(&stream, &consumer).await?;
-    let options = subscriber_options(current.policy, &spec)?;
+    let options =
+        pull_options(current.policy, spec.priority, spec.min_pending, spec.min_ack_pending, spec.concurrency)?;
     let webhook = WebhookSpec {
         url: spec.url,
         secret: spec.secret,

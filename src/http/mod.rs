@@ -68,6 +68,7 @@ pub fn api() -> (Router<AppState>, utoipa::openapi::OpenApi) {
         .routes(routes!(consumers::put_subscriber, consumers::get_subscriber, consumers::delete_subscriber))
         .routes(routes!(webhooks::put_webhook, webhooks::get_webhook, webhooks::delete_webhook))
         .routes(routes!(ws::join_member))
+        .routes(routes!(ws::join_consumer))
         .routes(routes!(events::events))
         .split_for_parts();
     auth::document_security(&mut doc);

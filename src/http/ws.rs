@@ -21,8 +21,9 @@ use crate::delivery::endpoint::Endpoint;
 use crate::delivery::webhook::Backoff;
 use crate::delivery::websocket::{ClientFrame, ServerFrame, SocketEndpoint};
 use crate::error::{ApiError, Problem};
-use crate::member::instance::{serve_member, InstanceContext, MemberRef};
-use crate::names::{GroupName, MemberName, StreamName};
+use crate::member::instance::{serve_member, MemberRef};
+use crate::member::subscriber::{serve_consumer, ConsumerTarget};
+use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
 
 /// The subprotocol keygate speaks (offered by clients that also pass their
 /// token as a `bearer.<jwt>` subprotocol).
@@ -83,18 +84,100 @@ pub async fn join_member(
     let instances = state.instances.clone().ok_or_else(|| ApiError::Unavailable("keygate is starting".into()))?;
     let who = MemberRef { stream, group, member };
     let connections = state.connections.clone();
-    // Client frames are small verdicts: small buffers keep idle connections
-    // cheap, and a size cap keeps a misbehaving client from growing them.
-    let upgrade = upgrade
+    let upgrade = small_frames(upgrade);
+    let events_of =
+        crate::events::subject_filter(Some(who.stream.as_str()), Some(who.group.as_str()), Some(who.member.as_str()));
+    Ok(upgrade.on_upgrade(move |socket| {
+        let run: Runner = Box::new(move |endpoint, cancel| Box::pin(serve_member(instances, who, endpoint, cancel)));
+        connections.track_future(serve_connection(state, events_of, socket, max_attempts, run))
+    }))
+}
+
+/// Starts the instance a connection serves, given its endpoint.
+type Runner = Box<
+    dyn FnOnce(Arc<Endpoint>, CancellationToken) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>
+        + Send,
+>;
+
+/// Options of a WebSocket subscriber of a plain consumer.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct SubscribeOptions {
+    /// `prioritized` consumers: 0 (served first) to 9.
+    pub priority: Option<u8>,
+    /// `overflow` consumers: served only while at least this many messages wait.
+    pub min_pending: Option<i64>,
+    /// `overflow` consumers: served only while at least this many are un-acked.
+    pub min_ack_pending: Option<i64>,
+    /// Messages in flight to this connection at once, 1–256 (default 4).
+    pub concurrency: Option<usize>,
+    /// Deliveries of one message before it is dead-lettered (1–1000, default 10).
+    pub max_attempts: Option<u64>,
+    /// The bearer token, for browsers.
+    pub access_token: Option<String>,
+}
+
+/// Subscribes to a plain consumer over a WebSocket, with the pull options
+/// its policy takes. The same frames as members; no key order, so up to
+/// `concurrency` messages are in flight at once; `pinned` / `standby`
+/// frames for `pinned_client` consumers.
+#[utoipa::path(
+    get,
+    path = "/v1/streams/{stream}/consumers/{consumer}/subscribers/{subscriber}/ws",
+    tag = "websocket",
+    params(("stream" = String, Path), ("consumer" = String, Path), ("subscriber" = String, Path), SubscribeOptions),
+    responses(
+        (status = 101, description = "switching to the WebSocket protocol"),
+        (status = 400, description = "not a WebSocket upgrade, or invalid options", body = Problem, content_type = "application/problem+json"),
+        (status = 403, description = "the Origin is not allowed", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "unknown stream or consumer", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn join_consumer(
+    State(state): State<AppState>,
+    Path((stream, consumer, subscriber)): Path<(StreamName, ConsumerName, MemberName)>,
+    Query(options): Query<SubscribeOptions>,
+    headers: HeaderMap,
+    upgrade: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
+) -> Result<Response, ApiError> {
+    let upgrade =
+        upgrade.map_err(|e| ApiError::BadRequest(format!("this route opens a WebSocket: {}", e.body_text())))?;
+    check_origin(&headers, &state.settings.ws_allowed_origins)?;
+    let max_attempts = options.max_attempts.unwrap_or(10);
+    if !(1..=1000).contains(&max_attempts) {
+        return Err(ApiError::BadRequest("max_attempts must be between 1 and 1000".into()));
+    }
+    let current = state.consumers.get(&stream, &consumer).await?;
+    let pull = super::consumers::pull_options(
+        current.policy,
+        options.priority,
+        options.min_pending,
+        options.min_ack_pending,
+        options.concurrency,
+    )?;
+    let instances = state.instances.clone().ok_or_else(|| ApiError::Unavailable("keygate is starting".into()))?;
+    let events_of =
+        crate::events::subject_filter(Some(stream.as_str()), Some(consumer.as_str()), Some(subscriber.as_str()));
+    let target = ConsumerTarget { stream, consumer, subscriber };
+    let connections = state.connections.clone();
+    let upgrade = small_frames(upgrade);
+    Ok(upgrade.on_upgrade(move |socket| {
+        let run: Runner =
+            Box::new(move |endpoint, cancel| Box::pin(serve_consumer(instances, target, endpoint, pull, cancel)));
+        connections.track_future(serve_connection(state, events_of, socket, max_attempts, run))
+    }))
+}
+
+/// Client frames are small verdicts: small buffers keep idle connections
+/// cheap, and a size cap keeps a misbehaving client from growing them.
+fn small_frames(upgrade: WebSocketUpgrade) -> WebSocketUpgrade {
+    upgrade
         .protocols([SUBPROTOCOL])
         .read_buffer_size(4 * 1024)
         .write_buffer_size(0)
         .max_write_buffer_size(4 * 1024 * 1024)
         .max_message_size(64 * 1024)
-        .max_frame_size(64 * 1024);
-    Ok(upgrade.on_upgrade(move |socket| {
-        connections.track_future(serve_connection(state, instances, who, socket, max_attempts))
-    }))
+        .max_frame_size(64 * 1024)
 }
 
 /// Browsers send `Origin`; other clients do not. Keygate's own origin (the
@@ -112,16 +195,10 @@ fn check_origin(headers: &HeaderMap, allowed: &[String]) -> Result<(), ApiError>
     }
 }
 
-/// Runs one connection: the member instance behind it, frames both ways,
+/// Runs one connection: the instance behind it, frames both ways,
 /// liveness, and a Close frame at the end.
-async fn serve_connection(
-    state: AppState,
-    instances: Arc<InstanceContext>,
-    who: MemberRef,
-    socket: WebSocket,
-    max_attempts: u64,
-) {
-    let gauge = metrics::gauge!(crate::metrics::WS_CONNECTIONS, "stream" => who.stream.to_string(), "group" => who.group.to_string());
+async fn serve_connection(state: AppState, events_of: String, socket: WebSocket, max_attempts: u64, run: Runner) {
+    let gauge = metrics::gauge!(crate::metrics::WS_CONNECTIONS);
     gauge.increment(1.0);
     let (mut sink, mut incoming) = socket.split();
     let (messages_tx, mut messages) = mpsc::channel(MESSAGE_QUEUE);
@@ -130,20 +207,17 @@ async fn serve_connection(
     let endpoint =
         Arc::new(SocketEndpoint::new(messages_tx, status_tx, closed.clone(), max_attempts, Backoff::default()));
     let session_cancel = CancellationToken::new();
-    let mut session = tokio::spawn(serve_member(
-        instances.clone(),
-        who.clone(),
-        Arc::new(Endpoint::Socket(endpoint.clone())),
-        session_cancel.clone(),
-    ));
-    let filter =
-        crate::events::subject_filter(Some(who.stream.as_str()), Some(who.group.as_str()), Some(who.member.as_str()));
-    let mut events = match instances.subscriptions.subscribe(&filter).await {
-        Ok(s) => Some(s),
-        Err(e) => {
-            tracing::warn!(error = %e, "WebSocket member without events");
-            None
-        }
+    let mut session = tokio::spawn(run(Arc::new(Endpoint::Socket(endpoint.clone())), session_cancel.clone()));
+    let subscriptions = state.instances.as_ref().map(|i| i.subscriptions.clone());
+    let mut events = match subscriptions {
+        Some(subscriptions) => match subscriptions.subscribe(&events_of).await {
+            Ok(s) => Some(s),
+            Err(e) => {
+                tracing::warn!(error = %e, "WebSocket member without events");
+                None
+            }
+        },
+        None => None,
     };
     let ping_every = state.settings.ws_ping_interval;
     let mut ping = tokio::time::interval_at(tokio::time::Instant::now() + ping_every, ping_every);
@@ -186,7 +260,7 @@ async fn serve_connection(
             }
             _ = ping.tick() => {
                 if last_heard.elapsed() > ping_every * 2 {
-                    tracing::info!(member = %who.member, "WebSocket member went silent; closing");
+                    tracing::info!(events = %events_of, "WebSocket member went silent; closing");
                     break (1001, "no answer to pings");
                 }
                 if sink.send(Message::Ping(Default::default())).await.is_err() { break (1011, "") }

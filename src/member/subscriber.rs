@@ -21,6 +21,7 @@ use super::pull::{classify, next_subject, Reply};
 use crate::delivery::endpoint::Endpoint;
 use crate::delivery::signing::SigningKey;
 use crate::delivery::webhook::{Registration, SubscriberOptions};
+use crate::delivery::websocket::ServerFrame;
 use crate::events::EventType;
 use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
 
@@ -72,7 +73,17 @@ pub async fn serve_consumer_webhook(
         min_ack_pending: None,
         concurrency: 1,
     });
-    let endpoint = Arc::new(Endpoint::Webhook { registration, key });
+    serve_consumer(ctx, target, Arc::new(Endpoint::Webhook { registration, key }), options, cancel).await;
+}
+
+/// Serves `target` through `endpoint` (a webhook or a WebSocket) until `cancel`.
+pub async fn serve_consumer(
+    ctx: Arc<InstanceContext>,
+    target: ConsumerTarget,
+    endpoint: Arc<Endpoint>,
+    options: SubscriberOptions,
+    cancel: CancellationToken,
+) {
     // Events of a subscriber: keygate.events.<stream>.<consumer>.<subscriber>.<type>.
     let Ok(group) = GroupName::parse(target.consumer.as_str()) else { return };
     let who = MemberRef { stream: target.stream.clone(), group, member: target.subscriber.clone() };
@@ -183,6 +194,8 @@ async fn serve_once(
                             e.pin_id = given;
                             e.fencing_token = Some(fencing);
                             ctx.events.emit(e);
+                            let instance = ctx.instance_id.clone();
+                            endpoint.notify(|| ServerFrame::Pinned { partitions: Vec::new(), fencing_token: Some(fencing), instance });
                         }
                         let Some(held) = held(ctx, target, reply) else { continue };
                         if let Some(delay) = shuffle.and_then(|s| window.delay_first_delivery(&s, held.attempt)) {
@@ -198,6 +211,7 @@ async fn serve_once(
                             let mut e = who.event(ctx, EventType::MemberUnpinned);
                             e.reason = Some(description);
                             ctx.events.emit(e);
+                            endpoint.notify(|| ServerFrame::Standby { partitions: Vec::new() });
                         }
                     }
                     Reply::ConsumerDeleted => break Err("consumer deleted".to_owned()),

@@ -325,3 +325,39 @@ async fn shutdown_closes_websocket_members_with_a_close_frame() {
     client.ack(&frame["id"]).await;
     assert_eq!(client.closed(Duration::from_secs(15)).await, Some(1001), "going away");
 }
+
+#[tokio::test]
+async fn a_websocket_subscriber_of_a_plain_consumer_gets_up_to_its_concurrency_at_once() {
+    let app = TestApp::start().await;
+    app.create_stream("JOBS", json!({"subjects":["jobs.*"]})).await;
+    assert_eq!(app.put("/v1/streams/JOBS/consumers/work", json!({"policy":"pinned_client","group":"g"})).await.0, 201);
+    for n in 0..10 {
+        app.js.publish(format!("jobs.{n}"), format!("{{\"n\":{n}}}").into()).await.unwrap().await.unwrap();
+    }
+    let base = app.base.replacen("http://", "ws://", 1);
+    let url = format!("{base}/v1/streams/JOBS/consumers/work/subscribers/browser/ws?concurrency=3");
+    let mut client = WsClient::connect(&url).await;
+    let pinned = client.next_of("pinned", WAIT).await;
+    assert!(pinned["fencing_token"].as_u64().unwrap() >= 1);
+    let mut acked = 0;
+    while acked < 10 {
+        let mut batch = Vec::new();
+        while let Some(frame) = client.maybe_message(Duration::from_millis(300)).await {
+            batch.push(frame);
+        }
+        assert!(!batch.is_empty() && batch.len() <= 3, "at most 3 in flight: {}", batch.len());
+        for frame in batch {
+            assert_eq!((frame["group"].as_str(), frame["member"].as_str()), (Some("work"), Some("browser")));
+            client.ack(&frame["id"]).await;
+            acked += 1;
+        }
+    }
+    crate::support::eventually(WAIT, || async {
+        let info = app.js.get_stream("JOBS").await.ok()?.consumer_info("work").await.ok()?;
+        (info.num_pending == 0 && info.num_ack_pending == 0).then_some(())
+    })
+    .await;
+    // Options must fit the policy.
+    let bad = format!("{base}/v1/streams/JOBS/consumers/work/subscribers/b2/ws?priority=1");
+    assert_eq!(WsClient::connect_with(&bad, &[]).await.err(), Some(400));
+}
