@@ -204,6 +204,28 @@ impl WebhookStore {
         }
     }
 
+    /// Removes every registration whose key starts with `prefix` (a deleted
+    /// consumer's subscribers).
+    pub async fn delete_prefixed(&self, prefix: &str) -> Result<usize, ApiError> {
+        let store = match self.js.get_key_value(self.bucket).await {
+            Ok(store) => store,
+            Err(e) if is_not_found(&e) => return Ok(0),
+            Err(e) => return Err(unavailable_or_internal("reading webhooks", e)),
+        };
+        let keys: Vec<String> = match store.keys().await {
+            Ok(keys) => futures::TryStreamExt::try_collect(keys)
+                .await
+                .map_err(|e| unavailable_or_internal("listing webhooks", e))?,
+            Err(e) => return Err(unavailable_or_internal("listing webhooks", e)),
+        };
+        let mut removed = 0;
+        for key in keys.into_iter().filter(|k| k.starts_with(prefix)) {
+            store.delete(&key).await.map_err(|e| unavailable_or_internal("deleting webhook", e))?;
+            removed += 1;
+        }
+        Ok(removed)
+    }
+
     /// Removes a member's registration; every replica stops serving it.
     pub async fn delete(&self, key: &str) -> Result<bool, ApiError> {
         if self.get(key).await?.is_none() {

@@ -57,7 +57,7 @@ pub async fn get_consumer(
     Ok(Json(state.consumers.get(&stream, &consumer).await?))
 }
 
-/// Deletes a consumer.
+/// Deletes a consumer and its webhook subscribers.
 #[utoipa::path(
     delete,
     path = "/v1/streams/{stream}/consumers/{consumer}",
@@ -74,6 +74,8 @@ pub async fn delete_consumer(
     Path((stream, consumer)): Path<(StreamName, ConsumerName)>,
 ) -> Result<StatusCode, ApiError> {
     state.consumers.delete(&stream, &consumer).await?;
+    // Its subscribers would otherwise look for it for ever.
+    state.consumer_webhooks.delete_prefixed(&format!("{stream}.{consumer}.")).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

@@ -130,6 +130,7 @@ async fn serve_once(
     // (the server serves others only when it is saturated).
     let mut queued: VecDeque<Arc<Delivered>> = VecDeque::new();
     let mut pin: Option<String> = None;
+    let mut standby = false;
     let mut fencing = 0u64;
     // The open pull: its inbox, messages still due, and when it expires.
     let mut outstanding: Option<(String, usize, Instant)> = None;
@@ -189,6 +190,7 @@ async fn serve_once(
                         }
                         if pinned_policy && given.is_some() && given != pin {
                             pin = given.clone();
+                            standby = false;
                             fencing = next_token(&ctx.js, &fencing_key(target)).await.unwrap_or(fencing + 1);
                             let mut e = who.event(ctx, EventType::MemberPinned);
                             e.pin_id = given;
@@ -204,7 +206,20 @@ async fn serve_once(
                         }
                         queued.push_back(held);
                     }
-                    Reply::Done => outstanding = None,
+                    Reply::Done => {
+                        outstanding = None;
+                        // A pull that ends empty while another client holds
+                        // the pin: this instance is a standby.
+                        if pinned_policy && pin.is_none() && !standby {
+                            if let Ok(info) = stream.consumer_info(target.consumer.as_str()).await {
+                                if info.priority_groups.iter().any(|g| g.pinned_client_id.as_deref().is_some_and(|id| !id.is_empty())) {
+                                    standby = true;
+                                    ctx.events.emit(who.event(ctx, EventType::MemberStandby));
+                                    endpoint.notify(|| ServerFrame::Standby { partitions: Vec::new() });
+                                }
+                            }
+                        }
+                    }
                     Reply::PinRejected { description } => {
                         outstanding = None;
                         if pin.take().is_some() {

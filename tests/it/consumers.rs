@@ -176,6 +176,10 @@ async fn an_overflow_subscriber_idles_below_its_threshold_and_is_served_above_it
         .put("/v1/streams/JOBS/consumers/far/subscribers/x/webhook", json!({"url": receiver.url("/x"), "priority": 1}))
         .await;
     assert_eq!(status, 400);
+    // Deleting the consumer removes its subscribers.
+    assert_eq!(app.get("/v1/streams/JOBS/consumers/far/subscribers/eu/webhook").await.0, 200);
+    assert_eq!(app.delete("/v1/streams/JOBS/consumers/far").await.0, 204);
+    assert_eq!(app.get("/v1/streams/JOBS/consumers/far/subscribers/eu/webhook").await.0, 404);
 }
 
 #[tokio::test]
