@@ -122,6 +122,7 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
         shutdown_grace: state.settings.delivery_grace,
         config_watch: crate::member::config_watch::ConfigWatch::new(state.js.clone()),
         subscriptions: crate::nats::shared::SharedSubscriptions::new(nats.clone()),
+        configs: Default::default(),
     });
     state.instances = Some(instances.clone());
     // Start the configuration watchers now rather than with the first member.

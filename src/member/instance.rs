@@ -66,6 +66,28 @@ pub struct InstanceContext {
     pub config_watch: super::config_watch::ConfigWatch,
     /// Subscriptions shared by the instances of one member (control requests).
     pub subscriptions: crate::nats::shared::SharedSubscriptions,
+    /// The latest configuration of each group, shared by its instances.
+    pub configs: Mutex<SharedConfigs>,
+}
+
+/// Each group's latest configuration by revision.
+pub type SharedConfigs = std::collections::HashMap<(StreamName, GroupName), (u64, Arc<GroupConfig>)>;
+
+impl InstanceContext {
+    /// One shared copy of a group's configuration per revision: a thousand
+    /// connections of a group's members hold one, not a thousand.
+    fn share_config(&self, who: &MemberRef, revision: u64, config: GroupConfig) -> Arc<GroupConfig> {
+        let mut configs = self.configs.lock().unwrap_or_else(|p| p.into_inner());
+        let key = (who.stream.clone(), who.group.clone());
+        match configs.get(&key) {
+            Some((known, shared)) if *known == revision => shared.clone(),
+            _ => {
+                let shared = Arc::new(config);
+                configs.insert(key, (revision, shared.clone()));
+                shared
+            }
+        }
+    }
 }
 
 /// Which member an instance serves.
@@ -141,7 +163,7 @@ pub async fn serve_member(
         }
         // Taken before the configuration is read, so no update falls between.
         let updates = (ctx.config_watch.subscribe(STATIC_BUCKET), ctx.config_watch.subscribe(ELASTIC_BUCKET));
-        let group = match Box::pin(ctx.groups.load(&who.stream, &who.group, None)).await {
+        let stored = match Box::pin(ctx.groups.load(&who.stream, &who.group, None)).await {
             Ok(g) => g,
             Err(e) => {
                 tracing::debug!(error = %e, "group not available; waiting");
@@ -151,6 +173,7 @@ pub async fn serve_member(
                 continue;
             }
         };
+        let group = SharedGroup { revision: stored.revision, config: ctx.share_config(&who, stored.revision, stored.config) };
         let ack_wait = Box::pin(ctx.groups.settings(&who.stream, &who.group))
             .await
             .ok()
@@ -208,7 +231,7 @@ pub async fn serve_member(
             ctx.clone(),
             who.clone(),
             endpoint.clone(),
-            group.config,
+            group.config.clone(),
             group.revision,
             stream_name.clone(),
             consumer.clone(),
@@ -498,9 +521,15 @@ async fn run_lane(shared: LaneShared, partition: u32, first: (u64, Held)) {
     }
 }
 
+/// A group's configuration as an instance holds it.
+struct SharedGroup {
+    revision: u64,
+    config: Arc<GroupConfig>,
+}
+
 struct Session {
     shared: LaneShared,
-    config: GroupConfig,
+    config: Arc<GroupConfig>,
     revision: u64,
     stream_name: String,
     consumer: String,
@@ -526,7 +555,7 @@ impl Session {
         ctx: Arc<InstanceContext>,
         who: MemberRef,
         endpoint: Arc<Endpoint>,
-        config: GroupConfig,
+        config: Arc<GroupConfig>,
         revision: u64,
         stream_name: String,
         consumer: String,
