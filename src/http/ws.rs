@@ -173,7 +173,7 @@ pub async fn join_consumer(
 fn small_frames(upgrade: WebSocketUpgrade) -> WebSocketUpgrade {
     upgrade
         .protocols([SUBPROTOCOL])
-        .read_buffer_size(4 * 1024)
+        .read_buffer_size(1024)
         .write_buffer_size(0)
         .max_write_buffer_size(4 * 1024 * 1024)
         .max_message_size(64 * 1024)
