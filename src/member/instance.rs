@@ -173,7 +173,8 @@ pub async fn serve_member(
                 continue;
             }
         };
-        let group = SharedGroup { revision: stored.revision, config: ctx.share_config(&who, stored.revision, stored.config) };
+        let group =
+            SharedGroup { revision: stored.revision, config: ctx.share_config(&who, stored.revision, stored.config) };
         let ack_wait = Box::pin(ctx.groups.settings(&who.stream, &who.group))
             .await
             .ok()

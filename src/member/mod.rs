@@ -13,3 +13,4 @@ pub mod observe;
 pub mod pull;
 pub mod subscriber;
 pub mod supervisor;
+pub mod window_share;

@@ -117,6 +117,18 @@ async fn serve_once(
     let pinned_policy = info.config.priority_policy == PriorityPolicy::PinnedClient;
     let shuffle = crate::consumers::Shuffle::of(&info.config);
     let mut window = ShuffleWindow::new(target);
+    let mut share = shuffle.map(|s| {
+        super::window_share::WindowShare::new(
+            ctx.js.clone(),
+            target.stream.as_str(),
+            target.consumer.as_str(),
+            Duration::from_millis(s.max_delay_ms),
+        )
+    });
+    if let (Some(share), Some(s)) = (share.as_mut(), shuffle) {
+        share.renew(s.max_window).await;
+    }
+    let mut renew = tokio::time::interval(super::window_share::RENEW_EVERY);
     let inbox = ctx.nats.new_inbox();
     let mut replies = ctx.nats.subscribe(format!("{inbox}.*")).await.map_err(|e| e.to_string())?;
     let concurrency = options.concurrency.max(1);
@@ -174,6 +186,11 @@ async fn serve_once(
                 }
             }
             () = tokio::time::sleep_until(deadline.into()) => {}
+            _ = renew.tick(), if share.is_some() => {
+                if let (Some(share), Some(s)) = (share.as_mut(), shuffle) {
+                    share.renew(s.max_window).await;
+                }
+            }
             _ = progress.tick() => {
                 window.refresh();
                 // Queued messages wait for a slot: keep them from timing out.
@@ -200,7 +217,8 @@ async fn serve_once(
                             endpoint.notify(|| ServerFrame::Pinned { partitions: Vec::new(), fencing_token: Some(fencing), instance });
                         }
                         let Some(held) = held(ctx, target, reply) else { continue };
-                        if let Some(delay) = shuffle.and_then(|s| window.delay_first_delivery(&s, held.attempt)) {
+                        let allowed = share.as_mut().map_or(0, |s| s.current());
+                        if let Some(delay) = shuffle.and_then(|s| window.delay_first_delivery(&s, allowed, held.attempt)) {
                             let _ = held.message.ack_with(jetstream::AckKind::Nak(Some(delay))).await;
                             continue;
                         }
@@ -240,6 +258,9 @@ async fn serve_once(
             }
         }
     };
+    if let Some(share) = &share {
+        share.leave().await;
+    }
     // Messages not yet handed to the endpoint go back at once.
     for held in queued {
         let _ = held.message.ack_with(jetstream::AckKind::Nak(None)).await;
@@ -282,12 +303,17 @@ impl ShuffleWindow {
     }
 
     /// A delay for this delivery, if it is a first delivery chosen to be
-    /// delayed and the window has room.
-    fn delay_first_delivery(&mut self, shuffle: &crate::consumers::Shuffle, attempt: u64) -> Option<Duration> {
+    /// delayed and this instance's share of the window has room.
+    fn delay_first_delivery(
+        &mut self,
+        shuffle: &crate::consumers::Shuffle,
+        allowed: u64,
+        attempt: u64,
+    ) -> Option<Duration> {
         self.refresh();
         let now = Instant::now();
         let delay = (attempt == 1
-            && (self.until.len() as u64) < shuffle.max_window
+            && (self.until.len() as u64) < allowed.min(shuffle.max_window)
             && rand::random::<f64>() < shuffle.probability)
             .then(|| Duration::from_millis(rand::random_range(shuffle.min_delay_ms..=shuffle.max_delay_ms)));
         if let Some(delay) = delay {

@@ -235,7 +235,9 @@ async fn shuffling_breaks_publish_order_within_its_window_and_loses_nothing() {
     assert_eq!(view["max_ack_pending"], 140, "raised above the window");
     let receiver = Receiver::start(|_, _| Answer::ok()).await;
     subscribe(&app, "mix", "w", receiver.url("/w"), json!({"concurrency": 1})).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // A new subscriber instance takes its share of the window only after
+    // the longest delay plus one renewal (delays granted before it may run).
+    tokio::time::sleep(Duration::from_millis(4500)).await;
     publish_jobs(&app, 0, 300).await;
     let series = r#"keygate_shuffle_window_messages{stream="JOBS",consumer="mix"}"#;
     let mut peak = 0.0f64;
@@ -316,4 +318,54 @@ async fn a_pinned_client_subscriber_fails_over_to_the_other_replica_after_the_pi
         (acked.len() == 20).then_some(())
     })
     .await;
+}
+
+#[tokio::test]
+async fn the_shuffle_window_is_shared_by_every_replica_running_the_subscriber() {
+    use crate::support::receiver::{Answer, Receiver};
+    use crate::support::{http_client, KeygateProcess, NatsServer};
+    let server = NatsServer::start();
+    let http = http_client();
+    let replicas = [KeygateProcess::start(&server.url(), "kg-a"), KeygateProcess::start(&server.url(), "kg-b")];
+    for r in &replicas {
+        r.wait_ready(&http).await;
+    }
+    let js = async_nats::jetstream::new(async_nats::connect(server.url()).await.unwrap());
+    let api = |path: &str| format!("{}{}", replicas[0].base, path);
+    http.put(api("/v1/streams/JOBS")).json(&json!({"subjects":["jobs.*"]})).send().await.unwrap();
+    let shuffle = json!({"probability":1.0,"min_delay_ms":300,"max_delay_ms":600,"max_window":30});
+    let r = http.put(api("/v1/streams/JOBS/consumers/mix")).json(&json!({"shuffle": shuffle})).send().await.unwrap();
+    assert_eq!(r.status(), 201);
+    let receiver = Receiver::start(|_, _| Answer::ok()).await;
+    let hook = json!({"url": receiver.url("/w"), "concurrency": 2});
+    let r = http.put(api("/v1/streams/JOBS/consumers/mix/subscribers/w/webhook")).json(&hook).send().await.unwrap();
+    assert_eq!(r.status(), 201);
+    // Both replicas announce themselves and settle on half the window each.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    for n in 0..300 {
+        js.publish(format!("jobs.{n}"), "x".into()).await.unwrap();
+    }
+    let series = r#"keygate_shuffle_window_messages{stream="JOBS",consumer="mix"}"#;
+    let (mut peak_sum, mut peaks) = (0.0f64, [0.0f64; 2]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut sum = 0.0;
+        for (i, r) in replicas.iter().enumerate() {
+            let text = http.get(format!("{}/metrics", r.base)).send().await.unwrap().text().await.unwrap();
+            let v = text.lines().find_map(|l| l.strip_prefix(series)?.trim().parse::<f64>().ok()).unwrap_or(0.0);
+            peaks[i] = peaks[i].max(v);
+            sum += v;
+        }
+        peak_sum = peak_sum.max(sum);
+        let acked: std::collections::HashSet<u64> =
+            receiver.requests().iter().filter(|r| r.ok()).map(|r| r.seq()).collect();
+        if acked.len() == 300 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "only {} of 300 delivered", acked.len());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    println!("shuffle window across two replicas: peak sum {peak_sum}, per replica {peaks:?}");
+    assert!(peak_sum <= 30.0, "the consumer-wide window holds: {peak_sum}");
+    assert!(peaks.iter().all(|p| *p <= 15.0), "each takes its share: {peaks:?}");
 }
