@@ -90,7 +90,7 @@ pub fn router(state: AppState) -> Router {
     let docs: Router<AppState> = Router::from(utoipa_swagger_ui::SwaggerUi::new("/docs").url("/openapi.json", doc))
         .layer(axum::middleware::map_response(docs_problem));
     let separate_admin = state.settings.admin_listen.is_some();
-    let docs = docs.route("/demo", axum::routing::get(demo_page));
+    let docs = docs.route("/demo", axum::routing::get(demo_page)).route("/ui", axum::routing::get(dashboard_page));
     let mut app = api.route_layer(axum::middleware::from_fn_with_state(state.clone(), auth::authorize)).merge(docs);
     if !separate_admin {
         app = app.merge(metrics_route());
@@ -118,6 +118,22 @@ async fn demo_page() -> Response {
             ),
         ],
         include_str!("demo.html"),
+    )
+        .into_response()
+}
+
+/// The live dashboard: streams, groups, partitions by owner, pins, backlog,
+/// blocked partitions and events, with admin actions. Self-contained.
+async fn dashboard_page() -> Response {
+    (
+        [
+            (axum::http::header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (
+                axum::http::header::CONTENT_SECURITY_POLICY,
+                "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'",
+            ),
+        ],
+        include_str!("dashboard.html"),
     )
         .into_response()
 }

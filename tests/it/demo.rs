@@ -70,3 +70,66 @@ async fn wait_for(browser: &mut Browser, condition: &str) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_shows_partitions_and_pins_and_step_down_moves_the_pin() {
+    use crate::support::receiver::{Answer, Receiver};
+    use serde_json::json;
+    let app = TestApp::start().await;
+    app.create_stream("ORDERS", json!({"subjects":["orders.*"],"partitions":4})).await;
+    let (status, _) =
+        app.put("/v1/streams/ORDERS/groups/g", json!({"kind":"static","partitions":4,"members":["m1","m2"]})).await;
+    assert_eq!(status, 201);
+    let receiver = Receiver::start(|r, _| if r.key() == "stuck" { Answer::status(500) } else { Answer::ok() }).await;
+    for member in ["m1", "m2"] {
+        let hook =
+            json!({"url": receiver.url("/hook"), "max_attempts": 1000, "backoff": {"initial_ms": 500, "max_ms": 1000}});
+        assert_eq!(app.put(&format!("/v1/streams/ORDERS/groups/g/members/{member}/webhook"), hook).await.0, 201);
+    }
+    let publish = |key: String| {
+        let app = &app;
+        async move { assert_eq!(app.post("/v1/streams/ORDERS/messages", json!({"key": key, "data": {}})).await.0, 200) }
+    };
+    for n in 0..20 {
+        publish(format!("k{n}")).await;
+    }
+    publish("stuck".into()).await;
+
+    let mut browser = Browser::launch().await;
+    browser.navigate(&app.url("/ui")).await;
+    // Every partition is shown with its owner; m1's pin is shown.
+    wait_for(&mut browser, "document.querySelectorAll('[data-group=g] .cell').length === 4").await;
+    let pinned = "(() => { const c = document.querySelector('[data-group=g] tr[data-member=m1] .pin'); return c ? c.textContent : ''; })()";
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let before = loop {
+        let text = browser.eval(pinned).await.as_str().unwrap_or_default().to_owned();
+        if !text.is_empty() && text != "standby" && text != "no instance" {
+            break text;
+        }
+        assert!(Instant::now() < deadline, "no pin shown for m1: {text}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    // The blocked partition shows, with its attempts and last error.
+    wait_for(&mut browser, "document.querySelectorAll('[data-group=g] .cell.blocked').length === 1").await;
+    wait_for(&mut browser, "[...document.querySelectorAll('.blockedrow')].some(r => r.textContent.includes('500'))")
+        .await;
+    // Step down m1 by button: the server pins m1's next pull anew.
+    browser.eval("document.querySelector('button[data-action=step-down][data-member=m1]').click()").await;
+    for n in 20..40 {
+        publish(format!("k{n}")).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let text = browser.eval(pinned).await.as_str().unwrap_or_default().to_owned();
+        if !text.is_empty() && text != before && text != "standby" && text != "no instance" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the pin did not move: still {text}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // The events feed shows the pin changes.
+    wait_for(&mut browser, "document.getElementById('events').textContent.includes('member.unpinned')").await;
+    let artifact = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/e2e/dashboard.png");
+    browser.screenshot(&artifact).await;
+    println!("screenshot: {}", artifact.display());
+}
