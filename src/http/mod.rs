@@ -107,24 +107,19 @@ pub fn router(state: AppState) -> Router {
 }
 
 /// A browser member: publish, join over WebSocket, ack or NAK by button.
-/// Self-contained (no CDN), so it works offline.
 async fn demo_page() -> Response {
-    (
-        [
-            (axum::http::header::CONTENT_TYPE, "text/html; charset=utf-8"),
-            (
-                axum::http::header::CONTENT_SECURITY_POLICY,
-                "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'",
-            ),
-        ],
-        include_str!("demo.html"),
-    )
-        .into_response()
+    self_contained_page(include_str!("demo.html"))
 }
 
 /// The live dashboard: streams, groups, partitions by owner, pins, backlog,
-/// blocked partitions and events, with admin actions. Self-contained.
+/// blocked partitions and events, with admin actions.
 async fn dashboard_page() -> Response {
+    self_contained_page(include_str!("dashboard.html"))
+}
+
+/// A page with its scripts and styles inline: it works offline, and its
+/// policy lets it talk to keygate only.
+fn self_contained_page(html: &'static str) -> Response {
     (
         [
             (axum::http::header::CONTENT_TYPE, "text/html; charset=utf-8"),
@@ -133,7 +128,7 @@ async fn dashboard_page() -> Response {
                 "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'",
             ),
         ],
-        include_str!("dashboard.html"),
+        html,
     )
         .into_response()
 }

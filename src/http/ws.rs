@@ -68,13 +68,7 @@ pub async fn join_member(
     headers: HeaderMap,
     upgrade: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> Result<Response, ApiError> {
-    let upgrade =
-        upgrade.map_err(|e| ApiError::BadRequest(format!("this route opens a WebSocket: {}", e.body_text())))?;
-    check_origin(&headers, &state.settings.ws_allowed_origins)?;
-    let max_attempts = options.max_attempts.unwrap_or(10);
-    if !(1..=1000).contains(&max_attempts) {
-        return Err(ApiError::BadRequest("max_attempts must be between 1 and 1000".into()));
-    }
+    let (upgrade, max_attempts) = accept(upgrade, &headers, &state, options.max_attempts)?;
     let stored = state.groups.load(&stream, &group, None).await?;
     let in_membership = stored.config.members().iter().any(|m| m == member.as_str())
         || stored.config.mappings().iter().any(|m| m.member == member.as_str());
@@ -84,7 +78,6 @@ pub async fn join_member(
     let instances = state.instances.clone().ok_or_else(|| ApiError::Unavailable("keygate is starting".into()))?;
     let who = MemberRef { stream, group, member };
     let connections = state.connections.clone();
-    let upgrade = small_frames(upgrade);
     let events_of =
         crate::events::subject_filter(Some(who.stream.as_str()), Some(who.group.as_str()), Some(who.member.as_str()));
     Ok(upgrade.on_upgrade(move |socket| {
@@ -140,13 +133,7 @@ pub async fn join_consumer(
     headers: HeaderMap,
     upgrade: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> Result<Response, ApiError> {
-    let upgrade =
-        upgrade.map_err(|e| ApiError::BadRequest(format!("this route opens a WebSocket: {}", e.body_text())))?;
-    check_origin(&headers, &state.settings.ws_allowed_origins)?;
-    let max_attempts = options.max_attempts.unwrap_or(10);
-    if !(1..=1000).contains(&max_attempts) {
-        return Err(ApiError::BadRequest("max_attempts must be between 1 and 1000".into()));
-    }
+    let (upgrade, max_attempts) = accept(upgrade, &headers, &state, options.max_attempts)?;
     let current = state.consumers.get(&stream, &consumer).await?;
     let pull = super::consumers::pull_options(
         current.policy,
@@ -160,7 +147,6 @@ pub async fn join_consumer(
         crate::events::subject_filter(Some(stream.as_str()), Some(consumer.as_str()), Some(subscriber.as_str()));
     let target = ConsumerTarget { stream, consumer, subscriber };
     let connections = state.connections.clone();
-    let upgrade = small_frames(upgrade);
     Ok(upgrade.on_upgrade(move |socket| {
         let run: Runner =
             Box::new(move |endpoint, cancel| Box::pin(serve_consumer(instances, target, endpoint, pull, cancel)));
@@ -178,6 +164,24 @@ fn small_frames(upgrade: WebSocketUpgrade) -> WebSocketUpgrade {
         .max_write_buffer_size(4 * 1024 * 1024)
         .max_message_size(64 * 1024)
         .max_frame_size(64 * 1024)
+}
+
+/// What both joins check before upgrading: a real upgrade, an allowed
+/// origin, a sane `max_attempts`.
+fn accept(
+    upgrade: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
+    headers: &HeaderMap,
+    state: &AppState,
+    max_attempts: Option<u64>,
+) -> Result<(WebSocketUpgrade, u64), ApiError> {
+    let upgrade =
+        upgrade.map_err(|e| ApiError::BadRequest(format!("this route opens a WebSocket: {}", e.body_text())))?;
+    check_origin(headers, &state.settings.ws_allowed_origins)?;
+    let max_attempts = max_attempts.unwrap_or(10);
+    if !(1..=1000).contains(&max_attempts) {
+        return Err(ApiError::BadRequest("max_attempts must be between 1 and 1000".into()));
+    }
+    Ok((small_frames(upgrade), max_attempts))
 }
 
 /// Browsers send `Origin`; other clients do not. Keygate's own origin (the
