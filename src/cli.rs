@@ -337,7 +337,7 @@ impl Admin {
 
     async fn view(&self, stream: &str, group: &str, kind: GroupKind) -> anyhow::Result<GroupView> {
         let (stream, group) = names(stream, group)?;
-        crate::member::observe::observe(&self.groups, &self.nats, &stream, &group, Some(kind)).await.map_err(api)
+        crate::member::observe::observe(&self.groups, &self.nats, &stream, &group, Some(kind), true).await.map_err(api)
     }
 
     async fn info(&self, stream: &str, group: &str, kind: GroupKind) -> anyhow::Result<()> {
@@ -426,7 +426,7 @@ impl Admin {
         let kind = spec.kind;
         let config = spec.into_config().map_err(api)?;
         let outcome = self.groups.put(&stream, &group, config, true, None).await.map_err(api)?;
-        let view = crate::member::observe::observe(&self.groups, &self.nats, &stream, &group, Some(kind))
+        let view = crate::member::observe::observe(&self.groups, &self.nats, &stream, &group, Some(kind), false)
             .await
             .map_err(api)?;
         if self.json {

@@ -596,6 +596,7 @@ impl GroupAdmin {
                         num_ack_pending: info.num_ack_pending,
                         serving_instance: None,
                         fencing_token: None,
+                        instances: Vec::new(),
                     }
                 }
                 None => MemberState {
@@ -611,6 +612,7 @@ impl GroupAdmin {
                     num_ack_pending: 0,
                     serving_instance: None,
                     fencing_token: None,
+                    instances: Vec::new(),
                 },
             };
             assignment.push(state);

@@ -23,7 +23,8 @@ pub async fn sample_backlog(groups: GroupAdmin, nats: async_nats::Client, every:
                     if cancel.is_cancelled() {
                         return;
                     }
-                    let view = match crate::member::observe::observe(&groups, &nats, &stream, &group, Some(kind)).await
+                    let view = match crate::member::observe::observe(&groups, &nats, &stream, &group, Some(kind), false)
+                        .await
                     {
                         Ok(view) => view,
                         Err(e) => {

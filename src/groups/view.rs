@@ -95,6 +95,19 @@ pub struct MemberState {
     pub serving_instance: Option<String>,
     /// The fencing token of its current ownership.
     pub fencing_token: Option<u64>,
+    /// keygate instances serving the member (webhook replicas, WebSocket
+    /// connections): the pinned one first, then its standbys.
+    pub instances: Vec<InstanceState>,
+}
+
+/// One keygate instance of a member.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct InstanceState {
+    /// The keygate process (`--instance-id`).
+    pub instance: String,
+    /// Tells apart several instances in one process (WebSocket connections).
+    pub session: u64,
+    pub pinned: bool,
 }
 
 /// Backlog of one partition.

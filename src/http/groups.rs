@@ -94,7 +94,7 @@ pub async fn get_group(
     Path((stream, group)): Path<(StreamName, GroupName)>,
     Query(query): Query<KindQuery>,
 ) -> Result<Json<GroupView>, ApiError> {
-    let view = crate::member::observe::observe(&state.groups, &state.nats, &stream, &group, query.kind).await?;
+    let view = crate::member::observe::observe(&state.groups, &state.nats, &stream, &group, query.kind, true).await?;
     Ok(Json(view))
 }
 

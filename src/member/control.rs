@@ -18,6 +18,8 @@ pub enum Control {
     Skip { partition: u32 },
     /// Redeliver a blocked partition's head now instead of after its delay.
     RetryNow { partition: u32 },
+    /// Every instance of the member answers, pinned or not (who stands by).
+    RollCall,
 }
 
 /// A blocked partition as the pinned instance reports it.
@@ -50,6 +52,32 @@ pub struct ControlReply {
     /// floor than the consumer's, which one blocked partition holds back.
     #[serde(default)]
     pub floors: std::collections::BTreeMap<u32, u64>,
+    /// Tells apart the instances of one keygate process (WebSocket connections).
+    #[serde(default)]
+    pub session: u64,
+    #[serde(default)]
+    pub pinned: bool,
+}
+
+/// Every instance of a member that answers within `window`: the pinned one
+/// and its standbys.
+pub async fn roll_call(nats: &async_nats::Client, who: &MemberRef, window: Duration) -> Vec<ControlReply> {
+    use futures::StreamExt as _;
+    let inbox = nats.new_inbox();
+    let Ok(mut answers) = nats.subscribe(inbox.clone()).await else { return Vec::new() };
+    let payload = serde_json::to_vec(&Control::RollCall).unwrap_or_default();
+    if nats.publish_with_reply(who.control_subject(), inbox, payload.into()).await.is_err() {
+        return Vec::new();
+    }
+    let mut replies = Vec::new();
+    let deadline = tokio::time::Instant::now() + window;
+    while let Ok(Some(message)) = tokio::time::timeout_at(deadline, answers.next()).await {
+        if let Ok(reply) = serde_json::from_slice::<ControlReply>(&message.payload) {
+            replies.push(reply);
+        }
+    }
+    replies.sort_by(|a, b| b.pinned.cmp(&a.pinned).then_with(|| a.instance.cmp(&b.instance)));
+    replies
 }
 
 /// Asks the pinned instance of a member; `None` when no instance holds the pin.

@@ -548,6 +548,8 @@ struct Session {
     /// Open pulls, oldest first.
     outstanding: VecDeque<Outstanding>,
     lane_tasks: JoinSet<()>,
+    /// Tells this session apart from other instances of the member in this process.
+    session_id: u64,
 }
 
 impl Session {
@@ -596,6 +598,7 @@ impl Session {
             pulls: 0,
             outstanding: VecDeque::new(),
             lane_tasks: JoinSet::new(),
+            session_id: rand::random::<u64>() >> 16,
         })
     }
 
@@ -989,12 +992,29 @@ impl Session {
     }
 
     async fn on_control(&mut self, request: async_nats::Message) {
-        // Only the pin holder answers: the requester gets its word.
+        let Some(reply_to) = request.reply.clone() else { return };
+        let Ok(control) = serde_json::from_slice::<Control>(&request.payload) else { return };
+        if let Control::RollCall = control {
+            let answer = ControlReply {
+                instance: self.ctx().instance_id.clone(),
+                ok: true,
+                error: None,
+                blocked: Vec::new(),
+                holding: 0,
+                fencing_token: self.shared.fencing.load(Ordering::Relaxed),
+                floors: Default::default(),
+                session: self.session_id,
+                pinned: self.pin.is_some(),
+            };
+            if let Ok(payload) = serde_json::to_vec(&answer) {
+                let _ = self.ctx().nats.publish(reply_to, payload.into()).await;
+            }
+            return;
+        }
+        // Only the pin holder answers the others: the requester gets its word.
         if self.pin.is_none() {
             return;
         }
-        let Some(reply_to) = request.reply.clone() else { return };
-        let Ok(control) = serde_json::from_slice::<Control>(&request.payload) else { return };
         let (holding, floors) = {
             let state = self.shared.lock();
             (state.lanes.holding(), state.lanes.floors())
@@ -1007,10 +1027,12 @@ impl Session {
             holding,
             fencing_token: self.shared.fencing.load(Ordering::Relaxed),
             floors,
+            session: self.session_id,
+            pinned: true,
         };
         let head = |partition: u32| self.shared.lock().lanes.blocked_head(partition);
         match control {
-            Control::Status => {}
+            Control::Status | Control::RollCall => {}
             Control::Skip { partition } => match head(partition) {
                 Some((seq, held)) => {
                     let reason = "skipped by an operator";

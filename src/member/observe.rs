@@ -5,19 +5,25 @@
 use std::collections::BTreeMap;
 
 use crate::error::ApiError;
-use crate::groups::view::{BlockedView, GroupView};
+use crate::groups::view::{BlockedView, GroupView, InstanceState};
 use crate::groups::{GroupAdmin, GroupKind};
 use crate::member::control::{ask, Control};
 use crate::member::instance::MemberRef;
 use crate::names::{GroupName, MemberName, StreamName};
 
-/// The group's view with its serving instances' state.
+/// How long a roll call waits for instances to answer.
+const ROLL_CALL_WINDOW: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// The group's view with its serving instances' state; with `roll_call`,
+/// also every instance of every member (standbys too), at the cost of a
+/// short wait for their answers.
 pub async fn observe(
     groups: &GroupAdmin,
     nats: &async_nats::Client,
     stream: &StreamName,
     group: &GroupName,
     kind: Option<GroupKind>,
+    roll_call: bool,
 ) -> Result<GroupView, ApiError> {
     let mut view = groups.view(stream, group, kind).await?;
     let asks = view.assignment.iter().filter(|m| m.pinned_client_id.is_some()).filter_map(|m| {
@@ -48,6 +54,23 @@ pub async fn observe(
         }
     }
     view.blocked.sort_by_key(|b| b.partition);
+    if roll_call {
+        let calls = view.assignment.iter().filter_map(|m| {
+            let who =
+                MemberRef { stream: stream.clone(), group: group.clone(), member: MemberName::parse(&m.member).ok()? };
+            Some(async move {
+                (who.member.to_string(), crate::member::control::roll_call(nats, &who, ROLL_CALL_WINDOW).await)
+            })
+        });
+        for (member, replies) in futures::future::join_all(calls).await {
+            if let Some(state) = view.assignment.iter_mut().find(|m| m.member == member) {
+                state.instances = replies
+                    .into_iter()
+                    .map(|r| InstanceState { instance: r.instance, session: r.session, pinned: r.pinned })
+                    .collect();
+            }
+        }
+    }
     if let Err(e) = groups.recount_static_pending(&mut view, &floors).await {
         tracing::warn!(%stream, %group, error = %e, "could not recount the backlog from instance floors");
     }

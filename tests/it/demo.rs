@@ -76,6 +76,8 @@ async fn the_dashboard_shows_partitions_and_pins_and_step_down_moves_the_pin() {
     use crate::support::receiver::{Answer, Receiver};
     use serde_json::json;
     let app = TestApp::start().await;
+    // A second replica: each member then has a pinned instance and a standby.
+    let _replica = TestApp::start_on(app.nats_url.clone()).await;
     app.create_stream("ORDERS", json!({"subjects":["orders.*"],"partitions":4})).await;
     let (status, _) =
         app.put("/v1/streams/ORDERS/groups/g", json!({"kind":"static","partitions":4,"members":["m1","m2"]})).await;
@@ -109,6 +111,12 @@ async fn the_dashboard_shows_partitions_and_pins_and_step_down_moves_the_pin() {
         assert!(Instant::now() < deadline, "no pin shown for m1: {text}");
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
+    // Both replicas' instances of m1 are listed: one pinned, one standby.
+    wait_for(
+        &mut browser,
+        "(() => { const c = document.querySelector('[data-group=g] tr[data-member=m1] .instances'); return !!c && c.textContent.split(',').length === 2 && c.textContent.includes('★'); })()",
+    )
+    .await;
     // The blocked partition shows, with its attempts and last error.
     wait_for(&mut browser, "document.querySelectorAll('[data-group=g] .cell.blocked').length === 1").await;
     wait_for(&mut browser, "[...document.querySelectorAll('.blockedrow')].some(r => r.textContent.includes('500'))")

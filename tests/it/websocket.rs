@@ -361,3 +361,22 @@ async fn a_websocket_subscriber_of_a_plain_consumer_gets_up_to_its_concurrency_a
     let bad = format!("{base}/v1/streams/JOBS/consumers/work/subscribers/b2/ws?priority=1");
     assert_eq!(WsClient::connect_with(&bad, &[]).await.err(), Some(400));
 }
+
+#[tokio::test]
+async fn the_group_view_lists_every_instance_of_a_member_pinned_first() {
+    let app = TestApp::start().await;
+    setup(&app, static_group(2000)).await;
+    let url = member_url(&app.base, "ORDERS", "g", "m1", "");
+    let mut first = WsClient::connect(&url).await;
+    publish(&app, &[("k", 0)]).await;
+    first.next_of("pinned", WAIT).await;
+    let mut second = WsClient::connect(&url).await;
+    second.next_of("assigned", WAIT).await;
+    let (status, view) = app.get("/v1/streams/ORDERS/groups/g").await;
+    assert_eq!(status, 200);
+    let instances = view["assignment"][0]["instances"].as_array().unwrap().clone();
+    assert_eq!(instances.len(), 2, "{instances:?}");
+    assert_eq!(instances[0]["pinned"], true, "the pinned one first: {instances:?}");
+    assert_eq!(instances[1]["pinned"], false);
+    assert_ne!(instances[0]["session"], instances[1]["session"]);
+}
