@@ -141,3 +141,40 @@ async fn the_dashboard_shows_partitions_and_pins_and_step_down_moves_the_pin() {
     browser.screenshot(&artifact).await;
     println!("screenshot: {}", artifact.display());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_uses_the_admin_token_entered_once_and_keeps_it_for_the_tab() {
+    use serde_json::json;
+    let secret = "a-test-secret-of-at-least-32-bytes!!";
+    let app = TestApp::start_with(|s| s.auth.hs256_secret = Some(secret.into())).await;
+    let claims = json!({"scope": "keygate:admin", "exp": time::OffsetDateTime::now_utc().unix_timestamp() + 600});
+    let token = jsonwebtoken::encode(
+        &jsonwebtoken::Header::default(),
+        &claims,
+        &jsonwebtoken::EncodingKey::from_secret(secret.as_bytes()).unwrap(),
+    )
+    .unwrap();
+    let r = app
+        .http
+        .put(app.url("/v1/streams/SECURE"))
+        .bearer_auth(&token)
+        .json(&json!({"subjects":["secure.*"]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let mut browser = Browser::launch().await;
+    browser.navigate(&app.url("/ui")).await;
+    // Without the token the page says what the API answered.
+    wait_for(&mut browser, "document.getElementById('streams').textContent.includes('401')").await;
+    browser
+        .eval(&format!(
+            "(() => {{ const t = document.getElementById('token'); t.value = '{token}'; t.dispatchEvent(new Event('change')); }})()"
+        ))
+        .await;
+    wait_for(&mut browser, "!!document.querySelector('[data-stream=SECURE]')").await;
+    // Kept for the tab: a reload needs no new entry.
+    browser.navigate(&app.url("/ui")).await;
+    wait_for(&mut browser, "!!document.querySelector('[data-stream=SECURE]')").await;
+    assert_eq!(browser.eval("sessionStorage.getItem('keygate-token') !== null").await, true);
+}
