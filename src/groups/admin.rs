@@ -94,7 +94,14 @@ impl GroupAdmin {
 
     async fn stream_info(&self, stream: &str) -> Result<stream::Info, ApiError> {
         match self.js.get_stream(stream).await {
-            Ok(mut s) => s.info().await.cloned().map_err(|e| unavailable_or_internal("reading stream", e)),
+            // Deleted between the two requests: as unknown as never created.
+            Ok(mut s) => s.info().await.cloned().map_err(|e| {
+                if is_not_found(&e) {
+                    ApiError::NotFound(format!("stream {stream} not found"))
+                } else {
+                    unavailable_or_internal("reading stream", e)
+                }
+            }),
             Err(e) if is_not_found(&e) => Err(ApiError::NotFound(format!("stream {stream} not found"))),
             Err(e) => Err(unavailable_or_internal("reading stream", e)),
         }
