@@ -10,7 +10,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use utoipa::openapi::path::Operation;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme};
-use utoipa::openapi::{ContentBuilder, OpenApi, Ref, RefOr, ResponseBuilder};
+use utoipa::openapi::OpenApi;
 
 use crate::app::AppState;
 use crate::auth::Requirement;
@@ -202,17 +202,11 @@ pub fn document_security(doc: &mut OpenApi) {
                 ("401", "no bearer token, or one that does not verify"),
                 ("403", "the token lacks the scope this operation needs"),
             ] {
-                operation.responses.responses.entry(status.to_owned()).or_insert_with(|| {
-                    RefOr::T(
-                        ResponseBuilder::new()
-                            .description(description)
-                            .content(
-                                "application/problem+json",
-                                ContentBuilder::new().schema(Some(Ref::from_schema_name("Problem"))).build(),
-                            )
-                            .build(),
-                    )
-                });
+                operation
+                    .responses
+                    .responses
+                    .entry(status.to_owned())
+                    .or_insert_with(|| super::problem_response(description));
             }
         }
     }

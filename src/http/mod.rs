@@ -72,7 +72,45 @@ pub fn api() -> (Router<AppState>, utoipa::openapi::OpenApi) {
         .routes(routes!(events::events))
         .split_for_parts();
     auth::document_security(&mut doc);
+    document_common_problems(&mut doc);
     (router, doc)
+}
+
+/// A problem+json answer in the document.
+pub(crate) fn problem_response(description: &str) -> utoipa::openapi::RefOr<utoipa::openapi::Response> {
+    use utoipa::openapi::{ContentBuilder, Ref, RefOr, ResponseBuilder};
+    RefOr::T(
+        ResponseBuilder::new()
+            .description(description)
+            .content(
+                "application/problem+json",
+                ContentBuilder::new().schema(Some(Ref::from_schema_name("Problem"))).build(),
+            )
+            .build(),
+    )
+}
+
+/// Answers every `/v1` operation can give whatever it does: a malformed
+/// path or query (400), NATS unavailable (503), and for those with a body,
+/// one too large (413) or not JSON (415).
+fn document_common_problems(doc: &mut utoipa::openapi::OpenApi) {
+    for (path, item) in doc.paths.paths.iter_mut() {
+        if !path.starts_with("/v1/") {
+            continue;
+        }
+        for operation in [&mut item.get, &mut item.put, &mut item.post, &mut item.delete, &mut item.patch] {
+            let Some(operation) = operation.as_mut() else { continue };
+            let mut common =
+                vec![("400", "invalid path, query or body"), ("503", "NATS or JetStream unavailable; retry later")];
+            if operation.request_body.is_some() {
+                common.push(("413", "the body is larger than keygate accepts"));
+                common.push(("415", "the body is not JSON"));
+            }
+            for (status, description) in common {
+                operation.responses.responses.entry(status.to_owned()).or_insert_with(|| problem_response(description));
+            }
+        }
+    }
 }
 
 /// The OpenAPI document as committed at `openapi/openapi.json`.
