@@ -112,6 +112,16 @@ async fn serve_once(
     cancel: &CancellationToken,
 ) -> Result<(), String> {
     let stream = ctx.js.get_stream_no_info(target.stream.as_str()).await.map_err(|e| e.to_string())?;
+    // Only a partition-stamped stream's subjects start with a partition token.
+    let stamped = ctx
+        .js
+        .get_stream(target.stream.as_str())
+        .await
+        .map_err(|e| e.to_string())?
+        .cached_info()
+        .config
+        .subject_transform
+        .is_some();
     let info = stream.consumer_info(target.consumer.as_str()).await.map_err(|e| e.to_string())?;
     let group = info.config.priority_groups.first().cloned();
     let pinned_policy = info.config.priority_policy == PriorityPolicy::PinnedClient;
@@ -216,7 +226,7 @@ async fn serve_once(
                             let instance = ctx.instance_id.clone();
                             endpoint.notify(|| ServerFrame::Pinned { partitions: Vec::new(), fencing_token: Some(fencing), instance });
                         }
-                        let Some(held) = held(ctx, target, reply) else { continue };
+                        let Some(held) = held(ctx, target, reply, stamped) else { continue };
                         let allowed = share.as_mut().map_or(0, |s| s.current());
                         if let Some(delay) = shuffle.and_then(|s| window.delay_first_delivery(&s, allowed, held.attempt)) {
                             let _ = held.message.ack_with(jetstream::AckKind::Nak(Some(delay))).await;
@@ -343,12 +353,17 @@ impl Drop for ShuffleWindow {
 }
 
 /// A pulled message as a delivery (partition 0 unless the stream stamps one).
-fn held(ctx: &InstanceContext, target: &ConsumerTarget, reply: async_nats::Message) -> Option<Arc<Delivered>> {
+fn held(
+    ctx: &InstanceContext,
+    target: &ConsumerTarget,
+    reply: async_nats::Message,
+    stamped: bool,
+) -> Option<Arc<Delivered>> {
     let message = jetstream::Message { message: reply, context: ctx.js.clone() };
     let info = message.info().ok()?;
     let (stream_seq, attempt) = (info.stream_sequence, info.delivered.max(1) as u64);
     let full = message.subject.to_string();
-    let (partition, subject) = match full.split_once('.') {
+    let (partition, subject) = match full.split_once('.').filter(|_| stamped) {
         Some((p, rest)) if p.parse::<u32>().is_ok() => (p.parse().unwrap_or(0), rest.to_owned()),
         _ => (0, full.clone()),
     };

@@ -369,3 +369,19 @@ async fn the_shuffle_window_is_shared_by_every_replica_running_the_subscriber() 
     assert!(peak_sum <= 30.0, "the consumer-wide window holds: {peak_sum}");
     assert!(peaks.iter().all(|p| *p <= 15.0), "each takes its share: {peaks:?}");
 }
+
+#[tokio::test]
+async fn a_subscriber_keeps_a_numeric_first_token_of_an_unstamped_stream_in_the_subject() {
+    use crate::support::receiver::{Answer, Receiver};
+    let app = TestApp::start().await;
+    app.create_stream("NUM", json!({"subjects":["7.*"]})).await;
+    assert_eq!(app.put("/v1/streams/NUM/consumers/c", json!({})).await.0, 201);
+    let receiver = Receiver::start(|_, _| Answer::ok()).await;
+    let hook = json!({"url": receiver.url("/n")});
+    assert_eq!(app.put("/v1/streams/NUM/consumers/c/subscribers/s/webhook", hook).await.0, 201);
+    app.js.publish("7.a", "x".into()).await.unwrap().await.unwrap();
+    let request =
+        crate::support::eventually(Duration::from_secs(15), || async { receiver.requests().into_iter().next() }).await;
+    assert_eq!(request.header("keygate-subject"), Some("7.a"), "7 is part of the subject, not a partition");
+    assert_eq!(request.header("keygate-partition"), Some("0"));
+}
