@@ -141,6 +141,15 @@ async fn publish_jobs(app: &TestApp, from: u64, count: u64) {
     }
 }
 
+/// Waits until `n` pull requests wait at the consumer (its subscribers run).
+async fn pulling(app: &TestApp, consumer: &str, n: usize) {
+    crate::support::eventually(Duration::from_secs(15), || async {
+        let info = app.js.get_stream("JOBS").await.ok()?.consumer_info(consumer).await.ok()?;
+        (info.num_waiting >= n).then_some(())
+    })
+    .await;
+}
+
 async fn subscribe(app: &TestApp, consumer: &str, subscriber: &str, url: String, options: Value) -> Value {
     let mut body = options;
     body["url"] = json!(url);
@@ -192,7 +201,7 @@ async fn prioritized_subscribers_are_served_lowest_priority_first_and_the_next_t
     let far = Receiver::start(|_, _| Answer::ok()).await;
     subscribe(&app, "pri", "near", near.url("/n"), json!({"priority": 0, "concurrency": 2})).await;
     subscribe(&app, "pri", "far", far.url("/f"), json!({"priority": 5})).await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    pulling(&app, "pri", 2).await;
     publish_jobs(&app, 0, 20).await;
     crate::support::eventually(Duration::from_secs(15), || async {
         (near.requests().iter().filter(|r| r.ok()).count() == 20).then_some(())
@@ -201,7 +210,11 @@ async fn prioritized_subscribers_are_served_lowest_priority_first_and_the_next_t
     assert!(far.requests().is_empty(), "priority 5 waits while 0 pulls");
     // Priority 0 stops pulling: 5 takes over.
     assert_eq!(app.delete("/v1/streams/JOBS/consumers/pri/subscribers/near/webhook").await.0, 204);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    crate::support::eventually(Duration::from_secs(15), || async {
+        let info = app.js.get_stream("JOBS").await.ok()?.consumer_info("pri").await.ok()?;
+        (info.num_waiting == 1).then_some(())
+    })
+    .await;
     publish_jobs(&app, 20, 10).await;
     crate::support::eventually(Duration::from_secs(15), || async {
         (far.requests().iter().filter(|r| r.ok()).count() == 10).then_some(())
@@ -235,9 +248,10 @@ async fn shuffling_breaks_publish_order_within_its_window_and_loses_nothing() {
     assert_eq!(view["max_ack_pending"], 140, "raised above the window");
     let receiver = Receiver::start(|_, _| Answer::ok()).await;
     subscribe(&app, "mix", "w", receiver.url("/w"), json!({"concurrency": 1})).await;
+    pulling(&app, "mix", 1).await;
     // A new subscriber instance takes its share of the window only after
     // the longest delay plus one renewal (delays granted before it may run).
-    tokio::time::sleep(Duration::from_millis(4500)).await;
+    tokio::time::sleep(Duration::from_millis(3500)).await;
     publish_jobs(&app, 0, 300).await;
     let series = r#"keygate_shuffle_window_messages{stream="JOBS",consumer="mix"}"#;
     let mut peak = 0.0f64;
