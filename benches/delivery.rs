@@ -12,13 +12,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream::{self, consumer, stream, AckKind};
+use async_nats::jetstream::{self, stream, AckKind};
 use axum::http::HeaderMap;
 use axum::Router;
 use bytes::Bytes;
-use futures::StreamExt;
 use serde_json::{json, Value};
 
+#[allow(dead_code)] // each benchmark uses part of it
 mod support;
 
 #[global_allocator]
@@ -132,56 +132,26 @@ async fn fill(js: &jetstream::Context, name: &str, n: u64) {
 async fn raw_ordered(js: &jetstream::Context, url: &str, sink: &Sink, n: u64, member_filters: bool) -> f64 {
     fill(js, "RAW", n).await;
     sink.done.store(0, Ordering::Relaxed);
-    let consumer = js
-        .get_stream("RAW")
-        .await
-        .unwrap()
-        .create_consumer(consumer::pull::Config {
-            durable_name: Some("raw".into()),
-            ack_policy: consumer::AckPolicy::Explicit,
-            max_ack_pending: 1000,
-            filter_subjects: if member_filters {
-                (0..PARTITIONS).map(|p| format!("{p}.>")).collect()
-            } else {
-                Vec::new()
-            },
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let http = reqwest::Client::new();
-    let mut lanes = Vec::new();
-    for _ in 0..PARTITIONS {
-        let (tx, mut rx) = tokio::sync::mpsc::channel::<jetstream::Message>(1024);
-        let (http, url) = (http.clone(), url.to_owned());
-        tokio::spawn(async move {
-            while let Some(message) = rx.recv().await {
-                let info = message.info().unwrap();
-                let seq = info.stream_sequence;
-                let key = message.subject.split('.').nth(2).unwrap_or_default().to_owned();
-                let r = http
-                    .post(&url)
-                    .header("keygate-key", key)
-                    .header("keygate-stream-seq", seq.to_string())
-                    .body(message.payload.clone())
-                    .send()
-                    .await
-                    .unwrap();
-                let _ = r.bytes().await;
-                message.ack_with(AckKind::Ack).await.unwrap();
-            }
-        });
-        lanes.push(tx);
-    }
-    let mut messages = consumer.messages().await.unwrap();
-    let pump = tokio::spawn(async move {
-        while let Some(Ok(message)) = messages.next().await {
-            let partition: usize = message.subject.split('.').next().unwrap().parse().unwrap();
-            if lanes[partition].send(message).await.is_err() {
-                break;
-            }
+    let consumer = support::baseline_consumer(js, "RAW", PARTITIONS, member_filters).await;
+    let (http, url) = (reqwest::Client::new(), url.to_owned());
+    let pump = support::serial_lanes(consumer, PARTITIONS, move |message: jetstream::Message| {
+        let (http, url) = (http.clone(), url.clone());
+        async move {
+            let seq = message.info().unwrap().stream_sequence;
+            let key = message.subject.split('.').nth(2).unwrap_or_default().to_owned();
+            let r = http
+                .post(&url)
+                .header("keygate-key", key)
+                .header("keygate-stream-seq", seq.to_string())
+                .body(message.payload.clone())
+                .send()
+                .await
+                .unwrap();
+            let _ = r.bytes().await;
+            message.ack_with(AckKind::Ack).await.unwrap();
         }
-    });
+    })
+    .await;
     sink.wait_for(n, Duration::from_secs(300)).await;
     pump.abort();
     sink.rate()

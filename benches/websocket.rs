@@ -10,11 +10,14 @@ use std::collections::HashMap;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream::{self, consumer, AckKind};
+use async_nats::jetstream::{self, AckKind};
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use serde_json::{json, Value};
 use tokio_tungstenite::tungstenite::Message;
+
+#[allow(dead_code)] // each benchmark uses part of it
+mod support;
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -130,41 +133,16 @@ async fn keygate_ws(kg: &KeygateProcess, http: &reqwest::Client, js: &jetstream:
 async fn raw_ordered(js: &jetstream::Context, http: &reqwest::Client, base: &str, n: u64) -> f64 {
     put(http, format!("{base}/v1/streams/RAW"), json!({"subjects":["raw.*"],"partitions":PARTITIONS})).await;
     fill(js, "raw", n).await;
-    let consumer = js
-        .get_stream("RAW")
-        .await
-        .unwrap()
-        .create_consumer(consumer::pull::Config {
-            durable_name: Some("raw".into()),
-            ack_policy: consumer::AckPolicy::Explicit,
-            max_ack_pending: 1000,
-            filter_subjects: (0..PARTITIONS).map(|p| format!("{p}.>")).collect(),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    let consumer = support::baseline_consumer(js, "RAW", PARTITIONS, true).await;
     let (done_tx, mut done_rx) = tokio::sync::mpsc::channel::<Instant>(4096);
-    let mut lanes = Vec::new();
-    for _ in 0..PARTITIONS {
-        let (tx, mut rx) = tokio::sync::mpsc::channel::<jetstream::Message>(1024);
+    let pump = support::serial_lanes(consumer, PARTITIONS, move |message: jetstream::Message| {
         let done = done_tx.clone();
-        tokio::spawn(async move {
-            while let Some(message) = rx.recv().await {
-                message.ack_with(AckKind::Ack).await.unwrap();
-                let _ = done.send(Instant::now()).await;
-            }
-        });
-        lanes.push(tx);
-    }
-    let mut messages = consumer.messages().await.unwrap();
-    let pump = tokio::spawn(async move {
-        while let Some(Ok(message)) = messages.next().await {
-            let partition: usize = message.subject.split('.').next().unwrap().parse().unwrap();
-            if lanes[partition].send(message).await.is_err() {
-                break;
-            }
+        async move {
+            message.ack_with(AckKind::Ack).await.unwrap();
+            let _ = done.send(Instant::now()).await;
         }
-    });
+    })
+    .await;
     let (mut first, mut last) = (None, Instant::now());
     for _ in 0..n {
         let at = tokio::time::timeout(Duration::from_secs(60), done_rx.recv()).await.unwrap().unwrap();

@@ -1,5 +1,6 @@
-//! What both benchmarks start: a nats-server in a temporary store, keygate
-//! in-process against it, a JetStream context and an HTTP client.
+//! What the benchmarks share: a rig (a nats-server in a temporary store,
+//! keygate in-process against it, a JetStream context and an HTTP client),
+//! and the raw baseline consumer with its serial per-partition lanes.
 
 use std::time::Duration;
 
@@ -51,4 +52,68 @@ impl Rig {
         self.server_stop.cancel();
         self.server.stopped().await;
     }
+}
+
+/// The raw baseline's consumer: durable, explicit acks, and with
+/// `member_filters` one `<p>.>` filter per partition, as a pcgroups member
+/// owning every partition (the server's multi-filter delivery is the cost
+/// both then pay); without, the whole stream.
+pub async fn baseline_consumer(
+    js: &async_nats::jetstream::Context,
+    stream: &str,
+    partitions: u32,
+    member_filters: bool,
+) -> async_nats::jetstream::consumer::PullConsumer {
+    use async_nats::jetstream::consumer;
+    js.get_stream(stream)
+        .await
+        .unwrap()
+        .create_consumer(consumer::pull::Config {
+            durable_name: Some("raw".into()),
+            ack_policy: consumer::AckPolicy::Explicit,
+            max_ack_pending: 1000,
+            filter_subjects: if member_filters {
+                (0..partitions).map(|p| format!("{p}.>")).collect()
+            } else {
+                Vec::new()
+            },
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+}
+
+/// Runs `handle` on each partition's messages one at a time (one lane per
+/// partition, partitions concurrent), as an ordered consumer written by hand
+/// would. Returns the pump, to abort when done.
+pub async fn serial_lanes<F, Fut>(
+    consumer: async_nats::jetstream::consumer::PullConsumer,
+    partitions: u32,
+    handle: F,
+) -> tokio::task::JoinHandle<()>
+where
+    F: Fn(async_nats::jetstream::Message) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    use futures::StreamExt;
+    let mut lanes = Vec::new();
+    for _ in 0..partitions {
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<async_nats::jetstream::Message>(1024);
+        let handle = handle.clone();
+        tokio::spawn(async move {
+            while let Some(message) = rx.recv().await {
+                handle(message).await;
+            }
+        });
+        lanes.push(tx);
+    }
+    let mut messages = consumer.messages().await.unwrap();
+    tokio::spawn(async move {
+        while let Some(Ok(message)) = messages.next().await {
+            let partition: usize = message.subject.split('.').next().unwrap().parse().unwrap();
+            if lanes[partition].send(message).await.is_err() {
+                break;
+            }
+        }
+    })
 }
