@@ -24,8 +24,10 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const PARTITIONS: u32 = 16;
 const KEYS: u64 = 1000;
-const IDLE_MEMBERS: usize = 100;
 const IDLE_CONNECTIONS: usize = 1000;
+/// Idle connections are measured spread over 100 members (10 instances
+/// each: a pinned one and standbys) and over 1,000 members (one each).
+const IDLE_MEMBER_COUNTS: [usize; 2] = [100, 1000];
 
 struct KeygateProcess {
     child: std::process::Child,
@@ -55,6 +57,16 @@ impl KeygateProcess {
             .and_then(|v| v.parse().ok())
             .unwrap();
         kib / 1024.0
+    }
+
+    async fn ready(&self, http: &reqwest::Client) {
+        for _ in 0..400 {
+            if http.get(format!("{}/readyz", self.base)).send().await.is_ok_and(|r| r.status() == 200) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("keygate did not become ready");
     }
 
     fn ws(&self, stream: &str, group: &str, member: &str) -> String {
@@ -153,14 +165,19 @@ async fn raw_ordered(js: &jetstream::Context, http: &reqwest::Client, base: &str
     (n - 1) as f64 / (last - first.unwrap()).as_secs_f64()
 }
 
-/// RSS of keygate before and after 1,000 idle member connections.
-async fn idle_connections(kg: &KeygateProcess, http: &reqwest::Client) -> (f64, f64) {
-    let members: Vec<String> = (0..IDLE_MEMBERS).map(|i| format!("m{i}")).collect();
-    put(http, format!("{}/v1/streams/IDLE", kg.base), json!({"subjects":["idle.*"],"partitions":IDLE_MEMBERS})).await;
+/// RSS of a fresh keygate process before and after 1,000 idle member
+/// connections spread over `member_count` members.
+async fn idle_connections(nats: &str, http: &reqwest::Client, member_count: usize) -> (f64, f64) {
+    let kg = KeygateProcess::start(nats);
+    kg.ready(http).await;
+    let members: Vec<String> = (0..member_count).map(|i| format!("m{i}")).collect();
+    let stream = format!("IDLE{member_count}");
+    let subjects = json!([format!("idle{member_count}.*")]);
+    put(http, format!("{}/v1/streams/{stream}", kg.base), json!({"subjects":subjects,"partitions":member_count})).await;
     put(
         http,
-        format!("{}/v1/streams/IDLE/groups/g", kg.base),
-        json!({"kind":"static","partitions":IDLE_MEMBERS,"members":members}),
+        format!("{}/v1/streams/{stream}/groups/g", kg.base),
+        json!({"kind":"static","partitions":member_count,"members":members}),
     )
     .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -168,7 +185,7 @@ async fn idle_connections(kg: &KeygateProcess, http: &reqwest::Client) -> (f64, 
     let mut sockets = Vec::with_capacity(IDLE_CONNECTIONS);
     for i in 0..IDLE_CONNECTIONS {
         let (mut socket, _) =
-            tokio_tungstenite::connect_async(kg.ws("IDLE", "g", &members[i % IDLE_MEMBERS])).await.unwrap();
+            tokio_tungstenite::connect_async(kg.ws(&stream, "g", &members[i % member_count])).await.unwrap();
         // Each connection is joined once it has its assignment.
         loop {
             let frame = tokio::time::timeout(Duration::from_secs(30), socket.next()).await.unwrap().unwrap().unwrap();
@@ -190,6 +207,7 @@ async fn idle_connections(kg: &KeygateProcess, http: &reqwest::Client) -> (f64, 
     for r in readers {
         r.abort();
     }
+    drop(kg);
     (before, after)
 }
 
@@ -204,12 +222,7 @@ async fn main() -> anyhow::Result<()> {
         keygate::nats::embedded::EmbeddedServer::start("nats-server".as_ref(), store.path(), 0, server_stop.clone())
             .await?;
     let kg = KeygateProcess::start(server.url());
-    for _ in 0..400 {
-        if http.get(format!("{}/readyz", kg.base)).send().await.is_ok_and(|r| r.status() == 200) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    kg.ready(&http).await;
     let nats = async_nats::connect(server.url()).await?;
     let js = keygate::nats::connect::jetstream(nats, Duration::from_secs(10));
 
@@ -227,12 +240,15 @@ async fn main() -> anyhow::Result<()> {
         rate / raw
     );
     assert_eq!(reorders, 0, "no per-key reorder");
-    let (before, after) = idle_connections(&kg, &http).await;
-    println!(
-        "| RSS with {IDLE_CONNECTIONS} idle member connections ({IDLE_MEMBERS} members) | | {before:.1} → {after:.1} MiB (+{:.1} MiB) | | ≤ +50 MB |",
-        after - before
-    );
     drop(kg);
+    for member_count in IDLE_MEMBER_COUNTS {
+        let (before, after) = idle_connections(server.url(), &http, member_count).await;
+        println!(
+            "| RSS with {IDLE_CONNECTIONS} idle member connections ({member_count} members), fresh process | | {before:.1} → {after:.1} MiB (+{:.1} MiB = {:.1} MB) | | ≤ +50 MB |",
+            after - before,
+            (after - before) * 1.048_576
+        );
+    }
     server_stop.cancel();
     server.stopped().await;
     Ok(())

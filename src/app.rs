@@ -121,7 +121,10 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
         hold_cap: state.settings.hold_cap,
         shutdown_grace: state.settings.delivery_grace,
         config_watch: crate::member::config_watch::ConfigWatch::new(state.js.clone()),
-        subscriptions: crate::nats::shared::SharedSubscriptions::new(nats.clone()),
+        subscriptions: crate::nats::shared::SharedSubscriptions::new(
+            nats.clone(),
+            &[crate::member::instance::CONTROL_PREFIX],
+        ),
         configs: Default::default(),
     });
     state.instances = Some(instances.clone());

@@ -302,8 +302,8 @@ async fn send(
 /// The next event; a lagging connection skips what it missed (events are
 /// notifications), a closed tap ends the events.
 async fn next_event(
-    events: &mut Option<tokio::sync::broadcast::Receiver<async_nats::Message>>,
-) -> Option<async_nats::Message> {
+    events: &mut Option<tokio::sync::broadcast::Receiver<Arc<async_nats::Message>>>,
+) -> Option<Arc<async_nats::Message>> {
     let Some(receiver) = events else { return std::future::pending().await };
     loop {
         match receiver.recv().await {

@@ -37,6 +37,9 @@ use crate::groups::{GroupAdmin, GroupConfig, GroupKind};
 use crate::names::{GroupName, MemberName, StreamName};
 use crate::partition::{decode_key, PartitionSpec, SubjectPattern};
 
+/// Members' control subjects, `<prefix><stream>.<group>.<member>`.
+pub const CONTROL_PREFIX: &str = "keygate.control.";
+
 /// Most messages asked for in one pull.
 const MAX_PULL_BATCH: usize = 256;
 /// Pulls kept open at once, so the server always has one to deliver on.
@@ -105,7 +108,7 @@ impl MemberRef {
 
     /// The subject control requests for this member go to.
     pub fn control_subject(&self) -> String {
-        format!("keygate.control.{}.{}.{}", self.stream, self.group, self.member)
+        format!("{CONTROL_PREFIX}{}.{}.{}", self.stream, self.group, self.member)
     }
 }
 
@@ -991,7 +994,7 @@ impl Session {
             .collect()
     }
 
-    async fn on_control(&mut self, request: async_nats::Message) {
+    async fn on_control(&mut self, request: Arc<async_nats::Message>) {
         let Some(reply_to) = request.reply.clone() else { return };
         let Ok(control) = serde_json::from_slice::<Control>(&request.payload) else { return };
         if let Control::RollCall = control {

@@ -22,6 +22,7 @@ async fn connect_with(url: &str, auth: &NatsAuth, retry_initial: bool) -> anyhow
         .name("keygate")
         .connection_timeout(Duration::from_secs(5))
         .request_timeout(Some(Duration::from_secs(5)))
+        .read_buffer_capacity(8192)
         .event_callback(|event| async move {
             match event {
                 async_nats::Event::Connected => tracing::info!("connected to NATS"),

@@ -1,34 +1,50 @@
 //! Core NATS subscriptions shared inside the process: every listener of a
 //! subject gets the messages through one subscription (a thousand member
-//! connections of a hundred members cost a hundred subscriptions).
+//! connections of a hundred members cost a hundred subscriptions). Subjects
+//! under a routed prefix, whose traffic is rare, share one wildcard
+//! subscription for all of them and are told apart here by subject.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use futures::StreamExt;
-use tokio::sync::broadcast;
+use tokio::sync::{broadcast, OnceCell};
 
-/// Messages buffered per listener before it lags.
-const CAPACITY: usize = 256;
+/// Messages buffered per listener before it lags. A broadcast channel
+/// allocates every slot up front and there is one channel per member
+/// subject, so slots hold pointers.
+const CAPACITY: usize = 64;
+
+type Registry = Arc<Mutex<HashMap<String, broadcast::Sender<Arc<async_nats::Message>>>>>;
 
 /// Shared subscriptions by subject.
 #[derive(Clone)]
 pub struct SharedSubscriptions {
     nats: async_nats::Client,
-    subjects: Arc<Mutex<HashMap<String, broadcast::Sender<async_nats::Message>>>>,
+    subjects: Registry,
+    /// Prefixes served by one wildcard subscription each, started on first use.
+    routed: Arc<[(&'static str, OnceCell<()>)]>,
 }
 
 impl SharedSubscriptions {
-    pub fn new(nats: async_nats::Client) -> Self {
-        Self { nats, subjects: Arc::default() }
+    /// `routed_prefixes` end with a dot; each gets one `<prefix>>` subscription.
+    pub fn new(nats: async_nats::Client, routed_prefixes: &[&'static str]) -> Self {
+        let routed = routed_prefixes.iter().map(|p| (*p, OnceCell::new())).collect();
+        Self { nats, subjects: Arc::default(), routed }
     }
 
     /// Messages on `subject` from now on.
     pub async fn subscribe(
         &self,
         subject: &str,
-    ) -> Result<broadcast::Receiver<async_nats::Message>, async_nats::SubscribeError> {
+    ) -> Result<broadcast::Receiver<Arc<async_nats::Message>>, async_nats::SubscribeError> {
         if let Some(sender) = self.lock().get(subject) {
+            return Ok(sender.subscribe());
+        }
+        if let Some((prefix, started)) = self.routed.iter().find(|(prefix, _)| subject.starts_with(prefix)) {
+            started.get_or_try_init(|| self.route(prefix)).await?;
+            let mut subjects = self.lock();
+            let sender = subjects.entry(subject.to_owned()).or_insert_with(|| broadcast::channel(CAPACITY).0);
             return Ok(sender.subscribe());
         }
         let mut subscription = self.nats.subscribe(subject.to_owned()).await?;
@@ -46,7 +62,7 @@ impl SharedSubscriptions {
         let subject = subject.to_owned();
         tokio::spawn(async move {
             while let Some(message) = subscription.next().await {
-                if sender.send(message).is_err() {
+                if sender.send(Arc::new(detached(message))).is_err() {
                     // Nobody listens: unsubscribe, unless someone arrived
                     // between the send and this lock.
                     let mut subjects = registry.lock().unwrap_or_else(|p| p.into_inner());
@@ -60,7 +76,38 @@ impl SharedSubscriptions {
         Ok(receiver)
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, broadcast::Sender<async_nats::Message>>> {
+    /// One subscription for every subject under `prefix`, handing each
+    /// message to the listeners of its subject.
+    async fn route(&self, prefix: &str) -> Result<(), async_nats::SubscribeError> {
+        let mut subscription = self.nats.subscribe(format!("{prefix}>")).await?;
+        let registry = self.subjects.clone();
+        tokio::spawn(async move {
+            while let Some(message) = subscription.next().await {
+                let mut subjects = registry.lock().unwrap_or_else(|p| p.into_inner());
+                let subject = message.subject.as_str().to_owned();
+                let Some(sender) = subjects.get(&subject) else { continue };
+                if sender.send(Arc::new(detached(message))).is_err() {
+                    subjects.remove(&subject);
+                }
+            }
+        });
+        Ok(())
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, broadcast::Sender<Arc<async_nats::Message>>>> {
         self.subjects.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The message with its own copies of subject, reply and payload. A received
+/// message borrows the connection's read buffer, and a broadcast slot keeps
+/// its last message until overwritten: without the copy, every idle channel
+/// would pin a read-buffer block of up to 64 KiB.
+fn detached(message: async_nats::Message) -> async_nats::Message {
+    async_nats::Message {
+        subject: async_nats::Subject::from(message.subject.as_str()),
+        reply: message.reply.map(|reply| async_nats::Subject::from(reply.as_str())),
+        payload: bytes::Bytes::copy_from_slice(&message.payload),
+        ..message
     }
 }
