@@ -89,6 +89,27 @@ impl NatsServer {
     pub fn url(&self) -> String {
         format!("nats://127.0.0.1:{}", self.port)
     }
+
+    /// SIGKILL, then a new server on the same port and store (file store:
+    /// what it acknowledged is on disk).
+    pub fn restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        for _ in 0..50 {
+            self.child = Command::new(nats_server_binary())
+                .args(["-js", "-a", "127.0.0.1", "-p", &self.port.to_string(), "-sd"])
+                .arg(self.store.path())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("starting nats-server");
+            if self.wait_ready() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("nats-server did not restart on port {}", self.port);
+    }
 }
 
 impl Drop for NatsServer {

@@ -41,6 +41,30 @@ impl WsClient {
         }
     }
 
+    pub fn from_socket(socket: WebSocketStream<MaybeTlsStream<tokio::net::TcpStream>>) -> Self {
+        Self { socket, seen: Vec::new() }
+    }
+
+    /// The next JSON frame, `Some(None)` when none came within `limit`,
+    /// `None` once the connection is closed or broken.
+    pub async fn next_frame_or_idle(&mut self, limit: Duration) -> Option<Option<Value>> {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let Ok(read) = tokio::time::timeout_at(deadline, self.socket.next()).await else { return Some(None) };
+            match read?.ok()? {
+                Message::Text(text) => return Some(serde_json::from_str(text.as_str()).ok()),
+                Message::Close(_) => return None,
+                _ => continue,
+            }
+        }
+    }
+
+    /// Acks `id`; false when the connection is gone.
+    pub async fn try_ack(&mut self, id: &Value) -> bool {
+        let frame = json!({"type": "ack", "id": id});
+        self.socket.send(Message::Text(frame.to_string().into())).await.is_ok()
+    }
+
     /// The next JSON frame (pings are answered by the library while reading).
     pub async fn next_frame(&mut self, limit: Duration) -> Option<Value> {
         let deadline = tokio::time::Instant::now() + limit;
