@@ -7,7 +7,6 @@
 //! `cargo bench --bench websocket` (env `KEYGATE_BENCH_MESSAGES`, default 20000).
 
 use std::collections::HashMap;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, AckKind};
@@ -19,6 +18,8 @@ use tokio_tungstenite::tungstenite::Message;
 #[allow(dead_code)] // each benchmark uses part of it
 mod support;
 
+use support::KeygateProcess;
+
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -28,58 +29,6 @@ const IDLE_CONNECTIONS: usize = 1000;
 /// Idle connections are measured spread over 100 members (10 instances
 /// each: a pinned one and standbys) and over 1,000 members (one each).
 const IDLE_MEMBER_COUNTS: [usize; 2] = [100, 1000];
-
-struct KeygateProcess {
-    child: std::process::Child,
-    base: String,
-}
-
-impl KeygateProcess {
-    fn start(nats: &str) -> Self {
-        let port = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap().local_addr().unwrap().port();
-        let child = Command::new(env!("CARGO_BIN_EXE_keygate"))
-            .args(["serve", "--nats-url", nats, "--listen", &format!("127.0.0.1:{port}"), "--backlog-sample-secs", "0"])
-            .env("KEYGATE_LOG", "error")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        Self { child, base: format!("http://127.0.0.1:{port}") }
-    }
-
-    /// Resident memory of the keygate process, in MiB.
-    fn rss_mib(&self) -> f64 {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
-        let kib: f64 = status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse().ok())
-            .unwrap();
-        kib / 1024.0
-    }
-
-    async fn ready(&self, http: &reqwest::Client) {
-        for _ in 0..400 {
-            if http.get(format!("{}/readyz", self.base)).send().await.is_ok_and(|r| r.status() == 200) {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
-        panic!("keygate did not become ready");
-    }
-
-    fn ws(&self, stream: &str, group: &str, member: &str) -> String {
-        format!("{}/v1/streams/{stream}/groups/{group}/members/{member}/ws", self.base.replacen("http", "ws", 1))
-    }
-}
-
-impl Drop for KeygateProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 async fn put(http: &reqwest::Client, url: String, body: Value) {
     let r = http.put(&url).json(&body).send().await.unwrap();

@@ -32,10 +32,20 @@ pub const SHUFFLE_WINDOW: &str = "keygate_shuffle_window_messages";
 pub const SHUFFLE_DELAYED: &str = "keygate_shuffle_delayed_total";
 /// Open WebSocket member connections.
 pub const WS_CONNECTIONS: &str = "keygate_websocket_connections";
+/// Tasks alive in keygate's runtime, read at each scrape (a leak shows as growth).
+pub const RUNTIME_TASKS: &str = "keygate_runtime_alive_tasks";
 /// HTTP requests by route template, method and status.
 pub const HTTP_REQUESTS: &str = "keygate_http_requests_total";
 /// HTTP request latency by route template and method.
 pub const HTTP_SECONDS: &str = "keygate_http_request_duration_seconds";
+
+/// The scrape: runtime gauges read now, then every metric as Prometheus text.
+pub fn render(handle: &PrometheusHandle) -> String {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        metrics::gauge!(RUNTIME_TASKS).set(runtime.metrics().num_alive_tasks() as f64);
+    }
+    handle.render()
+}
 
 const LATENCY_BUCKETS: &[f64] =
     &[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];

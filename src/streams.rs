@@ -274,7 +274,7 @@ pub struct KeySlot {
 }
 
 impl StreamShape {
-    fn from_config(config: &stream::Config) -> Self {
+    pub fn from_config(config: &stream::Config) -> Self {
         let patterns: Vec<SubjectPattern> =
             config.subjects.iter().filter_map(|s| SubjectPattern::parse(s).ok()).collect();
         let stamping = config.subject_transform.as_ref().and_then(|t| {

@@ -2,6 +2,7 @@
 //! keygate in-process against it, a JetStream context and an HTTP client),
 //! and the raw baseline consumer with its serial per-partition lanes.
 
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use keygate::nats::embedded::EmbeddedServer;
@@ -116,4 +117,71 @@ where
             }
         }
     })
+}
+
+/// keygate as its own process (release build, errors-only logs), so its
+/// memory is its own; killed when dropped.
+pub struct KeygateProcess {
+    child: std::process::Child,
+    pub base: String,
+}
+
+impl KeygateProcess {
+    pub fn start(nats: &str) -> Self {
+        let port = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap().local_addr().unwrap().port();
+        let child = Command::new(env!("CARGO_BIN_EXE_keygate"))
+            .args(["serve", "--nats-url", nats, "--listen", &format!("127.0.0.1:{port}"), "--backlog-sample-secs", "0"])
+            .env("KEYGATE_LOG", "error")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        Self { child, base: format!("http://127.0.0.1:{port}") }
+    }
+
+    /// Resident memory of the keygate process, in MiB.
+    pub fn rss_mib(&self) -> f64 {
+        self.status_field("VmRSS:") / 1024.0
+    }
+
+    /// OS threads of the keygate process.
+    pub fn threads(&self) -> u64 {
+        self.status_field("Threads:") as u64
+    }
+
+    /// Open file descriptors of the keygate process.
+    pub fn open_fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.child.id())).map(|d| d.count()).unwrap_or(0)
+    }
+
+    fn status_field(&self, field: &str) -> f64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(field))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap()
+    }
+
+    pub async fn ready(&self, http: &reqwest::Client) {
+        for _ in 0..400 {
+            if http.get(format!("{}/readyz", self.base)).send().await.is_ok_and(|r| r.status() == 200) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("keygate did not become ready");
+    }
+
+    pub fn ws(&self, stream: &str, group: &str, member: &str) -> String {
+        format!("{}/v1/streams/{stream}/groups/{group}/members/{member}/ws", self.base.replacen("http", "ws", 1))
+    }
+}
+
+impl Drop for KeygateProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

@@ -183,7 +183,7 @@ pub fn admin_router(state: AppState) -> Router {
 
 fn metrics_route() -> Router<AppState> {
     let handle = crate::metrics::handle();
-    Router::new().route("/metrics", axum::routing::get(move || std::future::ready(handle.render())))
+    Router::new().route("/metrics", axum::routing::get(move || std::future::ready(crate::metrics::render(&handle))))
 }
 
 /// Every log line of a request's work carries its id (`x-request-id`, taken
