@@ -105,6 +105,7 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
         }
     };
     let nats = connect(&url, &auth).await?;
+    crate::nats::replicas::configure(settings.state_replicas);
     let mut state = AppState::new(settings, nats.clone(), verifier, shutdown.clone());
     let instances = Arc::new(InstanceContext {
         js: state.js.clone(),
@@ -143,6 +144,11 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
             members_token.clone(),
         ))
     });
+    let source_watch = tokio::spawn(crate::groups::source_watch::watch_sources(
+        state.groups.clone(),
+        state.js.clone(),
+        members_token.clone(),
+    ));
     let admin = admin_listener.map(|admin_listener| {
         let app = crate::http::admin_router(state.clone());
         if let Ok(address) = admin_listener.local_addr() {
@@ -184,6 +190,7 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
     if let Some(backlog) = backlog {
         let _ = backlog.await;
     }
+    let _ = source_watch.await;
     if let Err(e) = nats.drain().await {
         tracing::warn!(error = %e, "draining NATS");
     }

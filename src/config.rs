@@ -60,6 +60,9 @@ pub struct Settings {
     pub ws_allowed_origins: Vec<String>,
     /// How often WebSocket members are pinged; two intervals without a word close the connection.
     pub ws_ping_interval: Duration,
+    /// Replicas of keygate's own KV buckets and dead-letter stream (`None`:
+    /// 3 on a cluster of three or more servers, else 1).
+    pub state_replicas: Option<usize>,
 }
 
 impl Settings {
@@ -81,6 +84,7 @@ impl Settings {
             backlog_sample_interval: Some(Duration::from_secs(15)),
             ws_allowed_origins: Vec::new(),
             ws_ping_interval: Duration::from_secs(15),
+            state_replicas: None,
         }
     }
 }

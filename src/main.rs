@@ -166,6 +166,9 @@ struct ServeArgs {
     /// Seconds between pings to WebSocket members; two without an answer close the connection.
     #[arg(long, env = "KEYGATE_WS_PING_SECS", default_value_t = 15)]
     ws_ping_secs: u64,
+    /// Replicas of keygate's own KV buckets and dead-letter stream, 1-5 (default: 3 on a cluster of three or more servers, else 1).
+    #[arg(long, env = "KEYGATE_STATE_REPLICAS", value_parser = clap::value_parser!(u8).range(1..=5))]
+    state_replicas: Option<u8>,
     /// Log format.
     #[arg(long, env = "KEYGATE_LOG_FORMAT", value_enum, default_value = "pretty")]
     log_format: LogFormat,
@@ -215,6 +218,7 @@ impl ServeArgs {
             admin_listen: self.admin_listen,
             ws_allowed_origins: self.ws_allowed_origins.clone(),
             ws_ping_interval: Duration::from_secs(self.ws_ping_secs.max(1)),
+            state_replicas: self.state_replicas.map(usize::from),
             backlog_sample_interval: (self.backlog_sample_secs > 0)
                 .then(|| Duration::from_secs(self.backlog_sample_secs)),
         }

@@ -32,6 +32,8 @@ pub const SHUFFLE_WINDOW: &str = "keygate_shuffle_window_messages";
 pub const SHUFFLE_DELAYED: &str = "keygate_shuffle_delayed_total";
 /// Open WebSocket member connections.
 pub const WS_CONNECTIONS: &str = "keygate_websocket_connections";
+/// Step-downs keygate asked of an elastic group's work-queue stream whose source stayed inactive.
+pub const SOURCE_RESTARTS: &str = "keygate_source_restarts_total";
 /// Tasks alive in keygate's runtime, read at each scrape (a leak shows as growth).
 pub const RUNTIME_TASKS: &str = "keygate_runtime_alive_tasks";
 /// HTTP requests by route template, method and status.

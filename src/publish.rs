@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, message::PublishMessage};
 use async_nats::HeaderMap;
@@ -115,6 +116,8 @@ pub struct Prepared {
     pub partition: Option<u32>,
     pub key: Option<String>,
     publish: PublishMessage,
+    /// Carries a msg_id: sending it again cannot store it twice.
+    idempotent: bool,
 }
 
 const RESERVED_HEADER_PREFIX: &str = "nats-";
@@ -223,7 +226,7 @@ pub fn prepare(
     if let Some(id) = msg_id {
         publish = publish.message_id(id);
     }
-    Ok(Prepared { subject, partition, key, publish: publish.payload(payload) })
+    Ok(Prepared { subject, partition, key, publish: publish.payload(payload), idempotent: msg_id.is_some() })
 }
 
 /// The subject a message goes to and the key it carries.
@@ -333,14 +336,14 @@ pub async fn publish_all(
     shape: &StreamShape,
     prepared: Vec<Result<Prepared, ApiError>>,
 ) -> Vec<Result<PublishAck, ApiError>> {
-    type Sent = Result<(String, Option<u32>, Option<String>, jetstream::context::PublishAckFuture), ApiError>;
+    type Sent = Result<(Prepared, jetstream::context::PublishAckFuture), ApiError>;
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Sent>(ACK_WINDOW);
     let total = prepared.len();
     let sender = async move {
         for item in prepared {
             let sent = match item {
-                Ok(p) => match js.send_publish(p.subject.clone(), p.publish).await {
-                    Ok(ack) => Ok((p.subject, p.partition, p.key, ack)),
+                Ok(p) => match js.send_publish(p.subject.clone(), p.publish.clone()).await {
+                    Ok(ack) => Ok((p, ack)),
                     Err(e) => Err(publish_error(e)),
                 },
                 Err(e) => Err(e),
@@ -351,10 +354,11 @@ pub async fn publish_all(
         }
     };
     let collector = async {
+        let mut resend_until = None;
         let mut results = Vec::with_capacity(total);
         while let Some(sent) = rx.recv().await {
             let result = match sent {
-                Ok((subject, partition, key, ack)) => match ack.await {
+                Ok((prepared, ack)) => match acknowledged(js, &prepared, ack, &mut resend_until).await {
                     Ok(ack) if ack.stream != shape.name => Err(ApiError::Internal(format!(
                         "message stored in stream {} instead of {}",
                         ack.stream, shape.name
@@ -363,9 +367,9 @@ pub async fn publish_all(
                     Ok(ack) => Ok(PublishAck {
                         stream: ack.stream,
                         seq: ack.sequence,
-                        subject,
-                        partition,
-                        key,
+                        subject: prepared.subject,
+                        partition: prepared.partition,
+                        key: prepared.key,
                         duplicate: false,
                     }),
                     Err(e) => Err(publish_error(e)),
@@ -378,6 +382,57 @@ pub async fn publish_all(
     };
     let ((), results) = tokio::join!(sender, collector);
     results
+}
+
+/// How long one request keeps publishing again messages the stream did not
+/// acknowledge, from the first such message; the backoff between attempts.
+const RESEND_FOR: Duration = Duration::from_secs(3);
+const RESEND_BACKOFF: [Duration; 5] = [
+    Duration::from_millis(100),
+    Duration::from_millis(200),
+    Duration::from_millis(400),
+    Duration::from_millis(800),
+    Duration::from_millis(1600),
+];
+
+/// The server's acknowledgement of a sent message, publishing it again
+/// (with backoff) while that is safe: when no stream answered (a stream
+/// leader is being elected, so nothing stored it), or when it timed out but
+/// its msg_id makes a second copy a duplicate the server drops. A request
+/// resends for [`RESEND_FOR`] in all (`resend_until`, set by its first
+/// resend), so a batch during an election answers 503 in seconds, not
+/// seconds per message.
+async fn acknowledged(
+    js: &jetstream::Context,
+    prepared: &Prepared,
+    ack: jetstream::context::PublishAckFuture,
+    resend_until: &mut Option<Instant>,
+) -> Result<jetstream::publish::PublishAck, jetstream::context::PublishError> {
+    use jetstream::context::PublishErrorKind as K;
+    let safe_to_resend = |e: &jetstream::context::PublishError| match e.kind() {
+        K::StreamNotFound => true,
+        K::TimedOut | K::BrokenPipe => prepared.idempotent,
+        _ => false,
+    };
+    let mut outcome = ack.await;
+    for delay in RESEND_BACKOFF {
+        match &outcome {
+            Err(e) if safe_to_resend(e) => {
+                let until = *resend_until.get_or_insert_with(|| Instant::now() + RESEND_FOR);
+                if Instant::now() + delay > until {
+                    break;
+                }
+                tracing::debug!(error = %e, subject = %prepared.subject, "publishing again");
+                tokio::time::sleep(delay).await;
+                outcome = match js.send_publish(prepared.subject.clone(), prepared.publish.clone()).await {
+                    Ok(ack) => ack.await,
+                    Err(e) => Err(e),
+                };
+            }
+            _ => break,
+        }
+    }
+    outcome
 }
 
 /// The answer for a duplicate: where the first message with that id was

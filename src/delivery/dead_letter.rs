@@ -66,6 +66,7 @@ async fn ensure_stream(js: &jetstream::Context) -> anyhow::Result<()> {
         name: DEAD_LETTER_STREAM.into(),
         subjects: vec![DEAD_LETTER_SUBJECTS.into()],
         description: Some("keygate: messages terminated after failing, with the reason".into()),
+        num_replicas: crate::nats::replicas::state_replicas(js),
         ..Default::default()
     };
     match js.create_stream(config).await {

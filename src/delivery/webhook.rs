@@ -135,7 +135,12 @@ impl WebhookStore {
         if let Ok(store) = self.js.get_key_value(self.bucket).await {
             return Ok(store);
         }
-        let config = kv::Config { bucket: self.bucket.into(), history: 1, ..Default::default() };
+        let config = kv::Config {
+            bucket: self.bucket.into(),
+            history: 1,
+            num_replicas: crate::nats::replicas::state_replicas(&self.js),
+            ..Default::default()
+        };
         match self.js.create_key_value(config).await {
             Ok(store) => Ok(store),
             Err(e) => {

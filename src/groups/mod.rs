@@ -3,6 +3,7 @@
 pub mod admin;
 pub mod backlog;
 pub mod config;
+pub mod source_watch;
 pub mod spec;
 pub mod view;
 

@@ -13,7 +13,12 @@ pub async fn next_token(js: &jetstream::Context, key: &str) -> anyhow::Result<u6
     let store = match js.get_key_value(FENCING_BUCKET).await {
         Ok(s) => s,
         Err(_) => match js
-            .create_key_value(kv::Config { bucket: FENCING_BUCKET.into(), history: 1, ..Default::default() })
+            .create_key_value(kv::Config {
+                bucket: FENCING_BUCKET.into(),
+                history: 1,
+                num_replicas: crate::nats::replicas::state_replicas(js),
+                ..Default::default()
+            })
             .await
         {
             Ok(s) => s,

@@ -91,8 +91,13 @@ impl WindowShare {
         if let Ok(store) = self.js.get_key_value(PRESENCE_BUCKET).await {
             return Ok(store);
         }
-        let config =
-            kv::Config { bucket: PRESENCE_BUCKET.into(), history: 1, max_age: PRESENCE_TTL, ..Default::default() };
+        let config = kv::Config {
+            bucket: PRESENCE_BUCKET.into(),
+            history: 1,
+            max_age: PRESENCE_TTL,
+            num_replicas: crate::nats::replicas::state_replicas(&self.js),
+            ..Default::default()
+        };
         match self.js.create_key_value(config).await {
             Ok(store) => Ok(store),
             Err(_) => self.js.get_key_value(PRESENCE_BUCKET).await.map_err(|_| ()),

@@ -4,4 +4,5 @@
 pub mod connect;
 pub mod embedded;
 pub mod errors;
+pub mod replicas;
 pub mod shared;

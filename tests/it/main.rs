@@ -3,6 +3,7 @@
 mod auth;
 mod chaos;
 mod cli;
+mod cluster;
 mod consumers;
 mod delivery;
 mod demo;

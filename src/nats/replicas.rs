@@ -1,0 +1,52 @@
+//! How many replicas keygate gives its own state (its KV buckets and the
+//! dead-letter stream). Streams and buckets created for a user's stream
+//! follow that stream's replicas instead, as pcgroups does.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// `--state-replicas`, set once at start-up; 0 when not given.
+static CONFIGURED: AtomicUsize = AtomicUsize::new(0);
+
+/// Records `--state-replicas` (`None`: decide from the cluster).
+pub fn configure(configured: Option<usize>) {
+    CONFIGURED.store(configured.map_or(0, |r| r.clamp(1, 5)), Ordering::Relaxed);
+}
+
+/// The replicas for keygate's own state: as configured, or else 3 when the
+/// server `js` talks to reports a cluster of three or more servers
+/// (JetStream's usual R3) and 1 otherwise. Asked when a bucket is created,
+/// so the connection is up and the server has said who its peers are.
+/// Existing buckets keep the replicas they were created with.
+pub fn state_replicas(js: &async_nats::jetstream::Context) -> usize {
+    match CONFIGURED.load(Ordering::Relaxed) {
+        0 => default_for(&js.client().server_info()),
+        configured => configured,
+    }
+}
+
+fn default_for(info: &async_nats::ServerInfo) -> usize {
+    // `connect_urls` lists the client URLs of every server in the cluster.
+    let servers = info.connect_urls.len().max(1);
+    if servers >= 3 {
+        3
+    } else {
+        1
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn three_servers_or_more_mean_r3_fewer_mean_r1() {
+        let with = |urls: usize| async_nats::ServerInfo {
+            connect_urls: (0..urls).map(|i| format!("127.0.0.1:{}", 4222 + i)).collect(),
+            ..Default::default()
+        };
+        assert_eq!(default_for(&with(0)), 1);
+        assert_eq!(default_for(&with(2)), 1);
+        assert_eq!(default_for(&with(3)), 3);
+        assert_eq!(default_for(&with(5)), 3);
+    }
+}

@@ -1,0 +1,308 @@
+//! keygate on a 3-node JetStream cluster with R3 streams: a static and an
+//! elastic group served by webhooks through two keygate replicas, while the
+//! stream leader's node and then the group bucket leader's node are killed
+//! and restarted. Run it alone: `cargo nextest run --run-ignored only cluster
+//! --no-capture` (`scripts/test` does, after the other tests).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::support::cluster::NatsCluster;
+use crate::support::receiver::{assert_key_order, Answer, Receiver, Recorded};
+use crate::support::{eventually, http_client, KeygateProcess};
+
+const KEYS: u64 = 40;
+/// Deliveries must resume within this time after a node is killed.
+const RESUME_LIMIT: Duration = Duration::from_secs(40);
+/// How often the receiver's log is read (deliveries carry their own times).
+const POLL: Duration = Duration::from_millis(500);
+
+/// (stream, key, seq) of every message a keygate answered 2xx.
+type Published = Arc<Mutex<Vec<(String, String, u64)>>>;
+
+/// Publishes small batches with message ids to both streams through both
+/// keygates in turn until `stop`; a failed batch is sent again.
+async fn publish_until(
+    http: reqwest::Client,
+    bases: Vec<String>,
+    published: Published,
+    unexpected: Arc<Mutex<Vec<String>>>,
+    stop: Arc<Mutex<bool>>,
+) {
+    let mut n: u64 = 0;
+    let mut turn = 0;
+    while !*stop.lock().unwrap() {
+        for stream in ["ORDERS", "EV"] {
+            let batch: Vec<Value> = (n..n + 10)
+                .map(|i| json!({"key": format!("k{}", i % KEYS), "msg_id": format!("{stream}-{i}"), "data": {"n": i}}))
+                .collect();
+            loop {
+                turn += 1;
+                let base = &bases[turn % bases.len()];
+                let answer = http
+                    .post(format!("{base}/v1/streams/{stream}/messages/batch"))
+                    .json(&json!({"messages": batch}))
+                    .timeout(Duration::from_secs(10))
+                    .send()
+                    .await;
+                let body = match answer {
+                    Ok(a) if a.status() == 200 => a.json::<Value>().await.unwrap_or_default(),
+                    Ok(a) => {
+                        // Refusals during an election are 503 problem+json;
+                        // anything else is kept for the test to fail on.
+                        let status = a.status().as_u16();
+                        let content_type = a.headers().get("content-type").cloned();
+                        let body = a.text().await.unwrap_or_default();
+                        if status != 503 || content_type.is_none_or(|c| c != "application/problem+json") {
+                            unexpected.lock().unwrap().push(format!("{stream}: {status} {body}"));
+                        }
+                        Value::Null
+                    }
+                    Err(_) => Value::Null,
+                };
+                let results: Option<Vec<(String, u64)>> = body["results"].as_array().and_then(|r| {
+                    r.iter().map(|a| Some((a["key"].as_str()?.to_owned(), a["seq"].as_u64()?))).collect()
+                });
+                if let Some(results) = results.filter(|r| r.len() == batch.len()) {
+                    published.lock().unwrap().extend(results.into_iter().map(|(k, s)| (stream.to_owned(), k, s)));
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+        n += 10;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The node name of the leader of a stream.
+async fn leader_of(cluster: &NatsCluster, stream: &str) -> String {
+    let client = async_nats::connect(cluster.addrs()).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    eventually(Duration::from_secs(30), || async {
+        let mut s = js.get_stream(stream).await.ok()?;
+        s.info().await.ok()?.cluster.as_ref()?.leader.clone()
+    })
+    .await
+}
+
+/// What the server says of the streams and the groups' consumers.
+async fn server_view(cluster: &NatsCluster) -> String {
+    let Ok(client) = async_nats::connect(cluster.addrs()).await else { return "no connection".into() };
+    let js = async_nats::jetstream::new(client);
+    let mut lines = Vec::new();
+    for (stream, consumers) in [("ORDERS", &["st-s1", "st-s2"][..]), ("EV", &[][..]), ("EV-el", &["e1", "e2"][..])] {
+        let Ok(mut s) = js.get_stream(stream).await else {
+            lines.push(format!("{stream}: unavailable"));
+            continue;
+        };
+        if let Ok(info) = s.info().await {
+            let leader = info.cluster.as_ref().map(|c| c.leader.clone());
+            let sources: Vec<String> =
+                info.sources.iter().map(|s| format!("{} lag {} active {:?}", s.name, s.lag, s.active)).collect();
+            lines.push(format!(
+                "{stream}: {} messages, last seq {}, leader {leader:?}, sources {sources:?}",
+                info.state.messages, info.state.last_sequence
+            ));
+        }
+        for consumer in consumers {
+            lines.push(match s.consumer_info(*consumer).await {
+                Ok(i) => format!(
+                    "  {consumer}: pending {} ack pending {} waiting {} delivered {} ack floor {} leader {:?} pins {:?}",
+                    i.num_pending,
+                    i.num_ack_pending,
+                    i.num_waiting,
+                    i.delivered.stream_sequence,
+                    i.ack_floor.stream_sequence,
+                    i.cluster.as_ref().map(|c| c.leader.clone()),
+                    i.priority_groups.iter().map(|g| g.pinned_client_id.clone()).collect::<Vec<_>>()
+                ),
+                Err(e) => format!("  {consumer}: {e}"),
+            });
+        }
+    }
+    lines.join("\n")
+}
+
+/// How long after `since` every receiver path saw a 2xx-answered delivery.
+async fn resumed(
+    receiver: &Receiver,
+    paths: &[&str],
+    since: Instant,
+    cluster: &NatsCluster,
+    unexpected: &Mutex<Vec<String>>,
+) -> Duration {
+    loop {
+        let requests = receiver.requests();
+        let firsts: Vec<Option<Instant>> = paths
+            .iter()
+            .map(|p| requests.iter().filter(|r| r.path.starts_with(p) && r.ok() && r.at > since).map(|r| r.at).min())
+            .collect();
+        if firsts.iter().all(Option::is_some) {
+            return firsts.into_iter().flatten().max().unwrap().duration_since(since);
+        }
+        if since.elapsed() > RESUME_LIMIT {
+            let last: Vec<String> = paths
+                .iter()
+                .map(|p| {
+                    let last = requests.iter().filter(|r| r.path.starts_with(p)).map(|r| r.at).max();
+                    format!("{p}: last delivery {:?} before the kill", last.map(|l| since.saturating_duration_since(l)))
+                })
+                .collect();
+            panic!(
+                "deliveries did not resume within {RESUME_LIMIT:?}: {last:?}\n{}\npublishes: {:?}",
+                server_view(cluster).await,
+                unexpected.lock().unwrap()
+            );
+        }
+        // The receiver's log is copied on each look: look seldom, so the
+        // test does not take the CPU from the keygates it measures.
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "three nats-servers and two keygates: scripts/test runs it on its own, after the other tests"]
+async fn groups_keep_being_served_while_leader_nodes_are_killed_and_restarted() {
+    let mut cluster = NatsCluster::start().await;
+    let http = http_client();
+    // Their logs are kept for a failed run to explain itself.
+    let logs = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("cluster-logs");
+    std::fs::create_dir_all(&logs).unwrap();
+    let replicas = ["keygate-a", "keygate-b"].map(|id| {
+        let log = std::fs::File::create(logs.join(format!("{id}.log"))).unwrap();
+        KeygateProcess::start_logging(&cluster.urls(), id, "info,keygate=debug", &[], log.into())
+    });
+    for r in &replicas {
+        r.wait_ready(&http).await;
+    }
+    let bases: Vec<String> = replicas.iter().map(|r| r.base.clone()).collect();
+    let put = |path: &str, body: Value| http.put(format!("{}{path}", bases[0])).json(&body).send();
+    let created = |r: reqwest::Response| assert_eq!(r.status(), 201);
+    created(put("/v1/streams/ORDERS", json!({"subjects":["orders.*"],"partitions":8,"replicas":3})).await.unwrap());
+    created(put("/v1/streams/EV", json!({"subjects":["ev.*"],"replicas":3})).await.unwrap());
+    let static_group = json!({"kind":"static","partitions":8,"members":["s1","s2"],"ack_wait_ms":2000});
+    created(put("/v1/streams/ORDERS/groups/st", static_group).await.unwrap());
+    let elastic_group = json!({"kind":"elastic","partitions":8,"members":["e1","e2"],"ack_wait_ms":2000,
+        "partitioning_filters":[{"filter":"ev.*","wildcards":[1]}]});
+    created(put("/v1/streams/EV/groups/el", elastic_group).await.unwrap());
+    let receiver = Receiver::start(|_, _| Answer::ok()).await;
+    for (stream, group, member) in
+        [("ORDERS", "st", "s1"), ("ORDERS", "st", "s2"), ("EV", "el", "e1"), ("EV", "el", "e2")]
+    {
+        let hook = json!({"url": receiver.url(&format!("/{group}/{member}"))});
+        created(put(&format!("/v1/streams/{stream}/groups/{group}/members/{member}/webhook"), hook).await.unwrap());
+    }
+    // Everything keygate created for R3 streams is R3, its own state too.
+    let client = async_nats::connect(cluster.addrs()).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    for stream in ["ORDERS", "EV", "KV_static-consumer-groups", "KV_elastic-consumer-groups", "KV_keygate-webhooks"] {
+        let mut s = js.get_stream(stream).await.unwrap();
+        assert_eq!(s.info().await.unwrap().config.num_replicas, 3, "{stream}");
+    }
+
+    let published: Published = Arc::default();
+    let stop = Arc::new(Mutex::new(false));
+    let unexpected: Arc<Mutex<Vec<String>>> = Arc::default();
+    let publisher =
+        tokio::spawn(publish_until(http.clone(), bases.clone(), published.clone(), unexpected.clone(), stop.clone()));
+    eventually(Duration::from_secs(30), || async { (receiver.requests().len() > 200).then_some(()) }).await;
+
+    // 1. The ORDERS stream leader's node.
+    let leader = leader_of(&cluster, "ORDERS").await;
+    let node = cluster.index_of(&leader);
+    let killed = Instant::now();
+    cluster.kill(node);
+    println!("killed {leader}, the ORDERS leader, at {:?}", std::time::SystemTime::now());
+    let after_stream_leader =
+        resumed(&receiver, &["/st/", "/el/"], killed + Duration::from_millis(500), &cluster, &unexpected).await;
+    println!("deliveries resumed {after_stream_leader:?} after the kill");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    cluster.restart(node);
+    cluster.wait_jetstream().await;
+    println!("{leader} restarted");
+
+    // 2. The elastic groups' bucket leader's node, with a membership edit
+    //    during the outage: it applies, or fails with a clear 503.
+    let leader = leader_of(&cluster, "KV_elastic-consumer-groups").await;
+    let node = cluster.index_of(&leader);
+    let killed = Instant::now();
+    cluster.kill(node);
+    println!("killed {leader}, the elastic groups' bucket leader");
+    let drop_e2 = http.delete(format!("{}/v1/streams/EV/groups/el/members/e2", bases[1])).send().await.unwrap();
+    let edit_status = drop_e2.status().as_u16();
+    if edit_status != 200 {
+        assert_eq!(edit_status, 503, "an edit during the outage applies or answers 503");
+        let problem: Value = drop_e2.json().await.unwrap();
+        assert!(problem["detail"].as_str().is_some_and(|d| !d.is_empty()), "{problem}");
+    }
+    println!("dropping e2 during the outage answered {edit_status}");
+    let after_bucket_leader =
+        resumed(&receiver, &["/st/", "/el/"], killed + Duration::from_millis(500), &cluster, &unexpected).await;
+    println!("deliveries resumed {after_bucket_leader:?} after the kill");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    cluster.restart(node);
+    cluster.wait_jetstream().await;
+    if edit_status != 200 {
+        let status = eventually(Duration::from_secs(30), || async {
+            let r = http.delete(format!("{}/v1/streams/EV/groups/el/members/e2", bases[1])).send().await.ok()?;
+            (r.status() == 200).then_some(200)
+        })
+        .await;
+        assert_eq!(status, 200);
+    }
+    let (_, view) = {
+        let r = http.get(format!("{}/v1/streams/EV/groups/el", bases[0])).send().await.unwrap();
+        (r.status(), r.json::<Value>().await.unwrap())
+    };
+    assert_eq!(view["members"], json!(["e1"]), "{view}");
+
+    // Keep publishing a little with every node back, then drain.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    *stop.lock().unwrap() = true;
+    publisher.await.unwrap();
+    let unexpected = unexpected.lock().unwrap().clone();
+    assert!(unexpected.is_empty(), "publishes answered other than 200 or 503 problem+json: {unexpected:?}");
+    let published = published.lock().unwrap().clone();
+    println!("published {}; draining", published.len());
+    let drain_started = Instant::now();
+    let requests = loop {
+        let requests = receiver.requests();
+        let acked: std::collections::HashSet<(&str, u64)> = requests
+            .iter()
+            .filter(|r| r.ok())
+            .map(|r| (if r.path.starts_with("/st/") { "ORDERS" } else { "EV" }, r.seq()))
+            .collect();
+        let missing = published.iter().filter(|(stream, _, seq)| !acked.contains(&(stream.as_str(), *seq))).count();
+        if missing == 0 {
+            break requests;
+        }
+        assert!(
+            drain_started.elapsed() < Duration::from_secs(90),
+            "{missing} published messages not delivered\n{}",
+            server_view(&cluster).await
+        );
+        tokio::time::sleep(POLL).await;
+    };
+    let drained = drain_started.elapsed();
+    for (stream, prefix) in [("ORDERS", "/st/"), ("EV", "/el/")] {
+        let mut by_key: HashMap<String, Vec<u64>> = HashMap::new();
+        for (_, key, seq) in published.iter().filter(|(s, _, _)| s == stream) {
+            by_key.entry(key.clone()).or_default().push(*seq);
+        }
+        let of_group: Vec<Recorded> = requests.iter().filter(|r| r.path.starts_with(prefix)).cloned().collect();
+        assert_key_order(&of_group, &by_key, &[]);
+    }
+    println!(
+        "cluster: {} messages published (2xx) and all delivered in key order; deliveries resumed {:.2} s after \
+         the stream leader's node was killed and {:.2} s after the group bucket leader's node was killed \
+         (membership edit during the outage: {edit_status}); drained {:.1} s after publishing stopped",
+        published.len(),
+        after_stream_leader.as_secs_f64(),
+        after_bucket_leader.as_secs_f64(),
+        drained.as_secs_f64()
+    );
+}

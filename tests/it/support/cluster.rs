@@ -1,0 +1,147 @@
+//! A 3-node nats-server cluster with JetStream on loopback (routes between
+//! the nodes, a temporary store each), whose nodes can be killed and
+//! restarted one at a time. Self-contained: the cluster benchmark includes
+//! this file too.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// `KEYGATE_TEST_NATS_SERVER`, or nats-server from PATH.
+fn nats_server_binary() -> PathBuf {
+    std::env::var_os("KEYGATE_TEST_NATS_SERVER").map(PathBuf::from).unwrap_or_else(|| "nats-server".into())
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap().local_addr().unwrap().port()
+}
+
+pub struct ClusterNode {
+    pub name: String,
+    pub port: u16,
+    cluster_port: u16,
+    store: tempfile::TempDir,
+    child: Option<Child>,
+}
+
+pub struct NatsCluster {
+    pub nodes: Vec<ClusterNode>,
+}
+
+impl NatsCluster {
+    /// Starts three nodes and waits until JetStream has a meta leader.
+    pub async fn start() -> Self {
+        let nodes: Vec<ClusterNode> = (1..=3)
+            .map(|i| ClusterNode {
+                name: format!("node-{i}"),
+                port: free_port(),
+                cluster_port: free_port(),
+                store: tempfile::tempdir().unwrap(),
+                child: None,
+            })
+            .collect();
+        let mut cluster = Self { nodes };
+        for i in 0..cluster.nodes.len() {
+            cluster.spawn(i);
+        }
+        for i in 0..cluster.nodes.len() {
+            cluster.wait_accepting(i);
+        }
+        cluster.wait_jetstream().await;
+        cluster
+    }
+
+    fn spawn(&mut self, i: usize) {
+        let routes: Vec<String> = self
+            .nodes
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| *j != i)
+            .map(|(_, n)| format!("nats://127.0.0.1:{}", n.cluster_port))
+            .collect();
+        let node = &mut self.nodes[i];
+        let child = Command::new(nats_server_binary())
+            .args(["-js", "-a", "127.0.0.1", "-p", &node.port.to_string(), "-n", &node.name])
+            .args(["--cluster_name", "keygate-test"])
+            .args(["--cluster", &format!("nats://127.0.0.1:{}", node.cluster_port)])
+            .args(["--routes", &routes.join(",")])
+            .arg("-sd")
+            .arg(node.store.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting nats-server");
+        node.child = Some(child);
+    }
+
+    fn wait_accepting(&self, i: usize) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if std::net::TcpStream::connect(("127.0.0.1", self.nodes[i].port)).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("{} did not start", self.nodes[i].name);
+    }
+
+    /// Waits until a JetStream account request answers through every running node.
+    pub async fn wait_jetstream(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        for node in self.nodes.iter().filter(|n| n.child.is_some()) {
+            loop {
+                let ready = async {
+                    let client = async_nats::connect(format!("nats://127.0.0.1:{}", node.port)).await.ok()?;
+                    async_nats::jetstream::new(client).query_account().await.ok()
+                };
+                if tokio::time::timeout(Duration::from_secs(2), ready).await.ok().flatten().is_some() {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "JetStream did not become ready on {}", node.name);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+
+    /// Every node's URL, comma-separated (keygate's `--nats-url`).
+    pub fn urls(&self) -> String {
+        self.nodes.iter().map(|n| format!("nats://127.0.0.1:{}", n.port)).collect::<Vec<_>>().join(",")
+    }
+
+    /// Every node's address, for a client that fails over between them.
+    pub fn addrs(&self) -> Vec<async_nats::ServerAddr> {
+        self.nodes.iter().map(|n| format!("nats://127.0.0.1:{}", n.port).parse().unwrap()).collect()
+    }
+
+    /// The URL of one node.
+    pub fn url(&self, i: usize) -> String {
+        format!("nats://127.0.0.1:{}", self.nodes[i].port)
+    }
+
+    pub fn index_of(&self, name: &str) -> usize {
+        self.nodes.iter().position(|n| n.name == name).unwrap_or_else(|| panic!("no node {name}"))
+    }
+
+    /// SIGKILL one node.
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut child) = self.nodes[i].child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts a killed node again on its port and store.
+    pub fn restart(&mut self, i: usize) {
+        self.kill(i);
+        self.spawn(i);
+        self.wait_accepting(i);
+    }
+}
+
+impl Drop for NatsCluster {
+    fn drop(&mut self) {
+        for i in 0..self.nodes.len() {
+            self.kill(i);
+        }
+    }
+}
