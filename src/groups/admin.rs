@@ -19,7 +19,7 @@ use super::spec::{GroupConfig, GroupKind, PartitioningFilterSpec};
 use super::view::{GroupSummary, GroupView, MemberState, MembershipView, OwnedPartitions, PartitionPending};
 use crate::error::ApiError;
 use crate::names::{GroupName, MemberName, StreamName};
-use crate::nats::errors::{is_not_found, jetstream_error_code, unavailable_or_internal};
+use crate::nats::errors::{is_not_found, jetstream_error_code, stream_read_error, unavailable_or_internal};
 use crate::partition::{PartitionSpec, SubjectPattern, TransformSpelling};
 
 /// keygate's own bucket for per-group settings pcgroups does not store
@@ -95,15 +95,8 @@ impl GroupAdmin {
     async fn stream_info(&self, stream: &str) -> Result<stream::Info, ApiError> {
         match self.js.get_stream(stream).await {
             // Deleted between the two requests: as unknown as never created.
-            Ok(mut s) => s.info().await.cloned().map_err(|e| {
-                if is_not_found(&e) {
-                    ApiError::NotFound(format!("stream {stream} not found"))
-                } else {
-                    unavailable_or_internal("reading stream", e)
-                }
-            }),
-            Err(e) if is_not_found(&e) => Err(ApiError::NotFound(format!("stream {stream} not found"))),
-            Err(e) => Err(unavailable_or_internal("reading stream", e)),
+            Ok(mut s) => s.info().await.cloned().map_err(|e| stream_read_error(stream, e)),
+            Err(e) => Err(stream_read_error(stream, e)),
         }
     }
 

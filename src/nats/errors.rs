@@ -29,6 +29,17 @@ pub fn unavailable_or_internal(what: &str, err: impl Display) -> ApiError {
     }
 }
 
+/// The answer for a failed read of stream `stream`: 404 when it does not
+/// exist (also when it was deleted between two requests of one call), 503
+/// when NATS does not answer, else 500.
+pub fn stream_read_error(stream: &str, err: impl Display) -> ApiError {
+    if is_not_found(&err) {
+        ApiError::NotFound(format!("stream {stream} not found"))
+    } else {
+        unavailable_or_internal("reading stream", err)
+    }
+}
+
 /// The JetStream API error code carried in an async-nats error's text
 /// (`… (code 404, error code 10014)`), if any.
 pub fn jetstream_error_code(err: &impl Display) -> Option<u64> {

@@ -65,3 +65,17 @@ async fn nats_going_away_is_503_and_readyz_says_not_ready() {
     let (status, _) = app.get("/v1/streams/S").await;
     assert_eq!(status, 503);
 }
+
+/// Found by schemathesis: a stream deleted between keygate's two reads of it
+/// (its handle, then its info) answered 500. The stale handle reproduces
+/// the race on demand.
+#[tokio::test]
+async fn a_stream_deleted_between_two_reads_is_not_found() {
+    let app = TestApp::start().await;
+    app.create_stream("GONE", json!({"subjects":["gone.*"]})).await;
+    let mut handle = app.js.get_stream("GONE").await.unwrap();
+    app.js.delete_stream("GONE").await.unwrap();
+    let err = handle.info().await.map(|_| ()).unwrap_err();
+    let answer = keygate::nats::errors::stream_read_error("GONE", err);
+    assert!(matches!(answer, keygate::error::ApiError::NotFound(_)), "{answer:?}");
+}
