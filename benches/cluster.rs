@@ -18,7 +18,7 @@ mod cluster;
 #[allow(dead_code)] // each benchmark uses part of it
 mod support;
 
-use support::KeygateProcess;
+use support::{put, KeygateProcess, LocalNats};
 
 const PARTITIONS: u32 = 16;
 const KEYS: u64 = 1000;
@@ -28,11 +28,6 @@ const IN_FLIGHT: usize = 4;
 struct Figures {
     publish_per_sec: f64,
     delivery_per_sec: f64,
-}
-
-async fn put(http: &reqwest::Client, url: String, body: Value) {
-    let r = http.put(&url).json(&body).send().await.unwrap();
-    assert!(r.status().is_success(), "{url}: {}", r.text().await.unwrap());
 }
 
 /// A webhook receiver answering 200 at once; counts deliveries.
@@ -95,13 +90,9 @@ async fn main() -> anyhow::Result<()> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let http = reqwest::Client::new();
 
-    let store = tempfile::tempdir()?;
-    let stop = tokio_util::sync::CancellationToken::new();
-    let single =
-        keygate::nats::embedded::EmbeddedServer::start("nats-server".as_ref(), store.path(), 0, stop.clone()).await?;
+    let single = LocalNats::start().await?;
     let one = measure(&http, single.url(), 1, n).await;
-    stop.cancel();
-    single.stopped().await;
+    single.stop().await;
 
     let nodes = cluster::NatsCluster::start().await;
     let three = measure(&http, &nodes.urls(), 3, n).await;

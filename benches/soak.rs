@@ -21,7 +21,7 @@ use tokio_tungstenite::tungstenite::Message;
 #[allow(dead_code)] // each benchmark uses part of it
 mod support;
 
-use support::KeygateProcess;
+use support::{put, KeygateProcess, LocalNats};
 
 const PARTITIONS: u32 = 16;
 const KEYS: u64 = 1000;
@@ -71,11 +71,6 @@ struct Row {
     threads: u64,
     fds: usize,
     webhook_p99: f64,
-}
-
-async fn put(http: &reqwest::Client, url: String, body: Value) {
-    let r = http.put(&url).json(&body).send().await.unwrap();
-    assert!(r.status().is_success(), "{url}: {}", r.text().await.unwrap());
 }
 
 async fn alive_tasks(http: &reqwest::Client, base: &str) -> u64 {
@@ -168,11 +163,7 @@ async fn main() -> anyhow::Result<()> {
     let rate = env_or("KEYGATE_SOAK_RATE", 500);
     let _ = rustls::crypto::ring::default_provider().install_default();
     let http = reqwest::Client::builder().pool_max_idle_per_host(256).build()?;
-    let store = tempfile::tempdir()?;
-    let server_stop = tokio_util::sync::CancellationToken::new();
-    let server =
-        keygate::nats::embedded::EmbeddedServer::start("nats-server".as_ref(), store.path(), 0, server_stop.clone())
-            .await?;
+    let server = LocalNats::start().await?;
     let kg = KeygateProcess::start(server.url());
     kg.ready(&http).await;
     let base = kg.base.clone();
@@ -273,8 +264,7 @@ async fn main() -> anyhow::Result<()> {
         println!("| {check} | {} |", if *ok { "yes" } else { "**no**" });
     }
     drop(kg);
-    server_stop.cancel();
-    server.stopped().await;
+    server.stop().await;
     if checks.iter().all(|(_, ok)| *ok) {
         Ok(())
     } else {

@@ -18,7 +18,7 @@ use tokio_tungstenite::tungstenite::Message;
 #[allow(dead_code)] // each benchmark uses part of it
 mod support;
 
-use support::KeygateProcess;
+use support::{put, KeygateProcess, LocalNats};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -29,11 +29,6 @@ const IDLE_CONNECTIONS: usize = 1000;
 /// Idle connections are measured spread over 100 members (10 instances
 /// each: a pinned one and standbys) and over 1,000 members (one each).
 const IDLE_MEMBER_COUNTS: [usize; 2] = [100, 1000];
-
-async fn put(http: &reqwest::Client, url: String, body: Value) {
-    let r = http.put(&url).json(&body).send().await.unwrap();
-    assert!(r.status().is_success(), "{url}: {}", r.text().await.unwrap());
-}
 
 /// `n` messages over `KEYS` keys, published raw (the stream is stamped by keygate's PUT).
 async fn fill(js: &jetstream::Context, subject_prefix: &str, n: u64) {
@@ -165,11 +160,7 @@ async fn main() -> anyhow::Result<()> {
     let n: u64 = std::env::var("KEYGATE_BENCH_MESSAGES").ok().and_then(|v| v.parse().ok()).unwrap_or(20_000);
     let _ = rustls::crypto::ring::default_provider().install_default();
     let http = reqwest::Client::new();
-    let store = tempfile::tempdir()?;
-    let server_stop = tokio_util::sync::CancellationToken::new();
-    let server =
-        keygate::nats::embedded::EmbeddedServer::start("nats-server".as_ref(), store.path(), 0, server_stop.clone())
-            .await?;
+    let server = LocalNats::start().await?;
     let kg = KeygateProcess::start(server.url());
     kg.ready(&http).await;
     let nats = async_nats::connect(server.url()).await?;
@@ -198,7 +189,6 @@ async fn main() -> anyhow::Result<()> {
             (after - before) * 1.048_576
         );
     }
-    server_stop.cancel();
-    server.stopped().await;
+    server.stop().await;
     Ok(())
 }

@@ -185,3 +185,35 @@ impl Drop for KeygateProcess {
         let _ = self.child.wait();
     }
 }
+
+/// A nats-server with JetStream in a temporary store, for benchmarks that
+/// run keygate as its own process.
+pub struct LocalNats {
+    server: EmbeddedServer,
+    stop: CancellationToken,
+    _store: tempfile::TempDir,
+}
+
+impl LocalNats {
+    pub async fn start() -> anyhow::Result<Self> {
+        let store = tempfile::tempdir()?;
+        let stop = CancellationToken::new();
+        let server = EmbeddedServer::start("nats-server".as_ref(), store.path(), 0, stop.clone()).await?;
+        Ok(Self { server, stop, _store: store })
+    }
+
+    pub fn url(&self) -> &str {
+        self.server.url()
+    }
+
+    pub async fn stop(self) {
+        self.stop.cancel();
+        self.server.stopped().await;
+    }
+}
+
+/// PUT `body` to `url`; panics unless the answer is 2xx.
+pub async fn put(http: &reqwest::Client, url: String, body: serde_json::Value) {
+    let r = http.put(&url).json(&body).send().await.unwrap();
+    assert!(r.status().is_success(), "{url}: {}", r.text().await.unwrap());
+}
