@@ -15,6 +15,8 @@ use serde_json::{json, Value};
 #[path = "../tests/it/support/cluster.rs"]
 #[allow(dead_code)] // the tests use the rest of it
 mod cluster;
+#[path = "../tests/it/support/process.rs"]
+mod process;
 #[allow(dead_code)] // each benchmark uses part of it
 mod support;
 
@@ -86,7 +88,7 @@ async fn measure(http: &reqwest::Client, nats_urls: &str, replicas: u32, n: u64)
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let n: u64 = std::env::var("KEYGATE_BENCH_MESSAGES").ok().and_then(|v| v.parse().ok()).unwrap_or(20_000);
+    let n: u64 = support::env_or("KEYGATE_BENCH_MESSAGES", 20_000);
     let _ = rustls::crypto::ring::default_provider().install_default();
     let http = reqwest::Client::new();
 

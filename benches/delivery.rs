@@ -253,7 +253,7 @@ async fn failover(nats: &str, http: &reqwest::Client, js: &jetstream::Context) -
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let n: u64 = std::env::var("KEYGATE_BENCH_MESSAGES").ok().and_then(|v| v.parse().ok()).unwrap_or(20_000);
+    let n: u64 = support::env_or("KEYGATE_BENCH_MESSAGES", 20_000);
     let rig = support::Rig::start().await?;
     let (base, js, http) = (rig.base.clone(), rig.js.clone(), rig.http.clone());
 

@@ -11,20 +11,18 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use serde_json::{json, Value};
 
-/// The same allocator the keygate binary uses.
 #[allow(dead_code)] // each benchmark uses part of it
 mod support;
 
+use support::env_or;
+
+/// The same allocator the keygate binary uses.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const PARTITIONS: u32 = 16;
 const RATE_PER_SEC: u64 = 1000;
 const LATENCY_SECONDS: u64 = 5;
-
-fn env_or(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
 
 fn payload(i: usize) -> Value {
     json!({"order": i, "customer": format!("customer-{}", i % 1000), "amount": 12.5, "items": ["a", "b"]})

@@ -21,14 +21,10 @@ use tokio_tungstenite::tungstenite::Message;
 #[allow(dead_code)] // each benchmark uses part of it
 mod support;
 
-use support::{put, KeygateProcess, LocalNats};
+use support::{env_or, put, KeygateProcess, LocalNats};
 
 const PARTITIONS: u32 = 16;
 const KEYS: u64 = 1000;
-
-fn env_or(name: &str, default: u64) -> u64 {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
 
 fn now_micros() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_micros() as u64

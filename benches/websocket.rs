@@ -157,7 +157,7 @@ async fn idle_connections(nats: &str, http: &reqwest::Client, member_count: usiz
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let n: u64 = std::env::var("KEYGATE_BENCH_MESSAGES").ok().and_then(|v| v.parse().ok()).unwrap_or(20_000);
+    let n: u64 = support::env_or("KEYGATE_BENCH_MESSAGES", 20_000);
     let _ = rustls::crypto::ring::default_provider().install_default();
     let http = reqwest::Client::new();
     let server = LocalNats::start().await?;

@@ -217,3 +217,8 @@ pub async fn put(http: &reqwest::Client, url: String, body: serde_json::Value) {
     let r = http.put(&url).json(&body).send().await.unwrap();
     assert!(r.status().is_success(), "{url}: {}", r.text().await.unwrap());
 }
+
+/// The environment variable `name` parsed, or `default` when unset or unreadable.
+pub fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}

