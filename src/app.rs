@@ -104,7 +104,10 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
             (Some(server), url, Default::default())
         }
     };
-    let nats = connect(&url, &auth).await?;
+    // The server's connection list (connz) then tells replicas apart.
+    let connection_name =
+        settings.instance_id.as_ref().map_or_else(|| "keygate".to_owned(), |id| format!("keygate {id}"));
+    let nats = connect(&url, &auth, &connection_name).await?;
     crate::nats::replicas::configure(settings.state_replicas);
     let mut state = AppState::new(settings, nats.clone(), verifier, shutdown.clone());
     let instances = Arc::new(InstanceContext {

@@ -35,6 +35,10 @@ pub enum ApiError {
     /// 403: a verified token without the scope this request needs.
     #[error("this request needs the scope `{scope}`")]
     Forbidden { scope: String },
+    /// 403: the target is keygate's or the server's own state, which no
+    /// token may write through the data path.
+    #[error("{0}")]
+    Reserved(String),
     /// 403: a browser origin not allowed to open WebSocket members.
     #[error("{0}")]
     OriginNotAllowed(String),
@@ -70,7 +74,7 @@ impl ApiError {
         match self {
             Self::BadRequest(_) => StatusCode::BAD_REQUEST,
             Self::MissingToken | Self::Unauthorized(_) => StatusCode::UNAUTHORIZED,
-            Self::Forbidden { .. } | Self::OriginNotAllowed(_) => StatusCode::FORBIDDEN,
+            Self::Forbidden { .. } | Self::Reserved(_) | Self::OriginNotAllowed(_) => StatusCode::FORBIDDEN,
             Self::NotFound(_) => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::Conflict(_) => StatusCode::CONFLICT,
@@ -87,6 +91,7 @@ impl ApiError {
             Self::BadRequest(_) => "invalid-request",
             Self::MissingToken | Self::Unauthorized(_) => "unauthorized",
             Self::Forbidden { .. } => "forbidden",
+            Self::Reserved(_) => "reserved",
             Self::OriginNotAllowed(_) => "origin-not-allowed",
             Self::NotFound(_) => "not-found",
             Self::MethodNotAllowed(_) => "method-not-allowed",

@@ -16,6 +16,13 @@ pub const DELIVERIES: &str = "keygate_deliveries_total";
 pub const ENDPOINT_SECONDS: &str = "keygate_endpoint_duration_seconds";
 /// Deliveries that were not a message's first attempt.
 pub const REDELIVERIES: &str = "keygate_redeliveries_total";
+/// Acks or terms keygate was about to send without a verdict behind them
+/// (the endpoint's ack, a stored dead letter, an operator's skip). They are
+/// refused, not sent; any value above 0 is a bug (docs/guarantees.md).
+pub const ACKS_WITHOUT_VERDICT: &str = "keygate_acks_without_verdict_total";
+/// Deliveries that reached this instance after a gap in the consumer's
+/// delivery sequence (deliveries it never saw): the handover barrier went up.
+pub const DELIVERY_GAPS: &str = "keygate_delivery_gaps_total";
 /// Messages copied to the dead-letter stream.
 pub const DEAD_LETTERS: &str = "keygate_dead_letters_total";
 /// Pins gained and lost by this keygate's member instances.
@@ -43,6 +50,8 @@ pub const HTTP_SECONDS: &str = "keygate_http_request_duration_seconds";
 
 /// The scrape: runtime gauges read now, then every metric as Prometheus text.
 pub fn render(handle: &PrometheusHandle) -> String {
+    // Present from the first scrape, so a check of "still 0" reads a 0.
+    metrics::counter!(ACKS_WITHOUT_VERDICT).increment(0);
     if let Ok(runtime) = tokio::runtime::Handle::try_current() {
         metrics::gauge!(RUNTIME_TASKS).set(runtime.metrics().num_alive_tasks() as f64);
     }

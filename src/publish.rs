@@ -120,8 +120,48 @@ pub struct Prepared {
     idempotent: bool,
 }
 
-const RESERVED_HEADER_PREFIX: &str = "nats-";
+/// Header prefixes the server acts on (`Nats-Msg-Id`, `Nats-Expected-*`,
+/// `KV-Operation`): a publisher setting them could delete KV entries or
+/// forge de-duplication, so they are keygate's alone.
+const RESERVED_HEADER_PREFIXES: [&str; 2] = ["nats-", "kv-"];
 const MAX_MSG_ID: usize = 256;
+
+/// Stream name prefixes of state no publisher may write: KV buckets and
+/// object stores (keygate's registrations, pcgroups' configurations, the
+/// fencing tokens) and keygate's own streams.
+const RESERVED_STREAM_PREFIXES: [&str; 3] = ["KV_", "OBJ_", "KEYGATE_"];
+/// Subject spaces of the server (`$JS`, `$KV`, `$SYS`…) and of keygate
+/// (control requests, events, dead letters).
+const RESERVED_SUBJECT_PREFIXES: [&str; 2] = ["$", "keygate."];
+
+/// Why `config`'s stream is not open to publishers, if it is not: it backs
+/// a KV bucket or object store, it is keygate's own, it is an elastic
+/// group's work queue (a sourced work-queue stream, fed only by its
+/// source), or it captures a reserved subject space. This holds for every
+/// token, admin included: keygate's state changes through its own API.
+pub fn reserved_stream(config: &jetstream::stream::Config) -> Option<String> {
+    let name = config.name.as_str();
+    if let Some(prefix) = RESERVED_STREAM_PREFIXES.iter().find(|p| name.starts_with(**p)) {
+        return Some(format!(
+            "stream {name} holds keygate's or the server's own state ({prefix}*): it is changed through keygate's API, \
+             never published to"
+        ));
+    }
+    let fed_by_sources = config.sources.as_ref().is_some_and(|s| !s.is_empty());
+    if config.retention == jetstream::stream::RetentionPolicy::WorkQueue && fed_by_sources {
+        return Some(format!(
+            "stream {name} is a group's work queue, fed by its source stream: publish to that stream"
+        ));
+    }
+    config.subjects.iter().find_map(|s| {
+        reserved_subject(s).then(|| format!("stream {name} captures the reserved subject space of {s:?}"))
+    })
+}
+
+/// Whether a subject is in a reserved space.
+fn reserved_subject(subject: &str) -> bool {
+    RESERVED_SUBJECT_PREFIXES.iter().any(|p| subject.starts_with(p))
+}
 
 /// Turns a request into a subject, headers and payload, or says what is wrong.
 pub fn prepare(
@@ -131,6 +171,9 @@ pub fn prepare(
     max_payload: usize,
 ) -> Result<Prepared, ApiError> {
     let bad = |m: String| ApiError::BadRequest(m);
+    if let Some(why) = &shape.reserved {
+        return Err(ApiError::Reserved(why.clone()));
+    }
     if request.spread.is_some() && request.key.is_some() {
         return Err(bad("spread is for keyless messages: a key decides its partition".into()));
     }
@@ -154,15 +197,22 @@ pub fn prepare(
         }
     };
 
+    if reserved_subject(&subject) {
+        return Err(ApiError::Reserved(format!("subject {subject:?} is in a reserved subject space ($…, keygate.…)")));
+    }
+
     let mut headers = HeaderMap::new();
     let mut header_bytes = 0usize;
     let mut has_content_type = false;
     for (name, values) in request.headers.into_iter().flatten() {
-        if name.is_empty() || name.bytes().any(|b| !(33..=126).contains(&b) || b == b':') {
-            return Err(bad(format!("header name {name:?} is invalid")));
+        // Headers are delivered as HTTP headers: one HTTP cannot carry would
+        // make every delivery fail until the message dead-letters.
+        if axum::http::HeaderName::from_bytes(name.as_bytes()).is_err() {
+            return Err(bad(format!("header name {name:?} is not a valid HTTP header name")));
         }
-        if name.to_ascii_lowercase().starts_with(RESERVED_HEADER_PREFIX) {
-            return Err(bad(format!("header {name:?} is reserved; use msg_id for de-duplication")));
+        let lower = name.to_ascii_lowercase();
+        if RESERVED_HEADER_PREFIXES.iter().any(|p| lower.starts_with(p)) {
+            return Err(bad(format!("header {name:?} is reserved (Nats-*, KV-*); use msg_id for de-duplication")));
         }
         has_content_type |= name.eq_ignore_ascii_case("content-type");
         let values = match values {
@@ -170,8 +220,8 @@ pub fn prepare(
             HeaderValues::Many(v) => v,
         };
         for value in values {
-            if value.contains(['\r', '\n']) {
-                return Err(bad(format!("header {name:?} has a line break in its value")));
+            if axum::http::HeaderValue::from_str(&value).is_err() {
+                return Err(bad(format!("header {name:?} has a value HTTP cannot carry (control characters)")));
             }
             header_bytes += name.len() + value.len() + 4;
             headers.append(name.as_str(), value.as_str());
@@ -490,5 +540,69 @@ fn publish_error(e: jetstream::context::PublishError) -> ApiError {
                 unavailable_or_internal("publishing", e)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use async_nats::jetstream::stream::{Config, RetentionPolicy, Source};
+
+    fn stream(name: &str, subjects: &[&str]) -> Config {
+        Config { name: name.into(), subjects: subjects.iter().map(|s| s.to_string()).collect(), ..Default::default() }
+    }
+
+    fn message(body: serde_json::Value) -> PublishRequest {
+        serde_json::from_value(body).unwrap()
+    }
+
+    #[test]
+    fn state_streams_and_work_queues_are_reserved_for_every_caller() {
+        for name in ["KV_keygate-webhooks", "KV_static-consumer-groups", "OBJ_files", "KEYGATE_DEAD_LETTERS"] {
+            assert!(reserved_stream(&stream(name, &["x.>"])).is_some(), "{name}");
+        }
+        assert!(reserved_stream(&stream("SYS", &["$SYS.>"])).is_some());
+        assert!(reserved_stream(&stream("MINE", &["keygate.events.>"])).is_some());
+        let work_queue = Config {
+            retention: RetentionPolicy::WorkQueue,
+            sources: Some(vec![Source { name: "ORDERS".into(), ..Default::default() }]),
+            ..stream("ORDERS-billing", &[])
+        };
+        assert!(reserved_stream(&work_queue).is_some());
+        assert_eq!(reserved_stream(&stream("ORDERS", &["orders.*"])), None);
+        assert_eq!(reserved_stream(&stream("KVX", &["kv.*"])), None, "only the prefixes JetStream uses");
+    }
+
+    #[test]
+    fn publishing_to_reserved_state_is_refused_before_anything_is_sent() {
+        let shape = StreamShape::from_config(&stream("KV_keygate-webhooks", &["$KV.keygate-webhooks.>"]));
+        let request = message(serde_json::json!({"subject": "$KV.keygate-webhooks.S.g.m1", "data": {}}));
+        assert!(matches!(prepare(&shape, request, None, 1 << 20), Err(ApiError::Reserved(_))));
+        let open = StreamShape::from_config(&stream("WIDE", &[">"]));
+        for subject in ["$KV.keygate-webhooks.S.g.m1", "$JS.API.STREAM.DELETE.X", "keygate.control.S.g.m"] {
+            let request = message(serde_json::json!({"subject": subject, "data": 1}));
+            assert!(matches!(prepare(&open, request, None, 1 << 20), Err(ApiError::Reserved(_))), "{subject}");
+        }
+    }
+
+    #[test]
+    fn header_names_and_values_follow_http_and_reserved_prefixes_are_refused() {
+        let shape = StreamShape::from_config(&stream("ORDERS", &["orders.*"]));
+        let with = |headers: serde_json::Value| message(serde_json::json!({"key": "k", "data": 1, "headers": headers}));
+        for refused in [
+            serde_json::json!({"a(b": "x"}),
+            serde_json::json!({"a b": "x"}),
+            serde_json::json!({"KV-Operation": "DEL"}),
+            serde_json::json!({"Nats-Expected-Stream": "X"}),
+            serde_json::json!({"x-ok": "line\u{0}break"}),
+            serde_json::json!({"x-ok": ["fine", "bad\r\nInjected: 1"]}),
+        ] {
+            assert!(
+                matches!(prepare(&shape, with(refused.clone()), None, 1 << 20), Err(ApiError::BadRequest(_))),
+                "{refused}"
+            );
+        }
+        let accepted = serde_json::json!({"X-Trace": "abc", "x-many": ["1", "2"], "x-utf8": "café"});
+        assert!(prepare(&shape, with(accepted), None, 1 << 20).is_ok());
     }
 }

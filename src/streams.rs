@@ -262,6 +262,8 @@ pub struct StreamShape {
     pub next_partition: AtomicU64,
     /// Numbers keyless-marker tokens.
     pub keyless_counter: AtomicU64,
+    /// Why publishers may not write this stream, if they may not.
+    pub reserved: Option<String>,
 }
 
 /// What comes before and after the key in a stream's one-wildcard subject.
@@ -301,6 +303,7 @@ impl StreamShape {
             key_slot,
             next_partition: AtomicU64::new(rand::random::<u32>() as u64),
             keyless_counter: AtomicU64::new(0),
+            reserved: crate::publish::reserved_stream(config),
         }
     }
 }
@@ -352,7 +355,16 @@ impl Streams {
                 Some(codes::STREAM_NAME_IN_USE) => {
                     ApiError::Conflict(format!("stream {name} was created concurrently"))
                 }
-                Some(10052 | 10023 | 10074) => ApiError::Unprocessable(format!("the server refused the stream: {e}")),
+                Some(code) if code != codes::JETSTREAM_UNAVAILABLE => {
+                    let field = match code {
+                        codes::STORAGE_RESOURCES_EXCEEDED | codes::MEMORY_RESOURCES_EXCEEDED => {
+                            "max_bytes (or storage): more than the server can reserve"
+                        }
+                        codes::REPLICAS_EXCEED_CLUSTER => "replicas: more than the cluster has servers",
+                        _ => "the stream's configuration",
+                    };
+                    ApiError::Unprocessable(format!("the server refused {field}: {e}"))
+                }
                 _ => unavailable_or_internal("creating stream", e),
             }),
         }

@@ -14,7 +14,7 @@ use serde::Deserialize;
 pub use scopes::{Requirement, Scopes};
 
 /// Where verification keys come from and which claims must match.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct AuthSettings {
     /// Shared secret for HS256 tokens.
     pub hs256_secret: Option<String>,
@@ -28,6 +28,20 @@ pub struct AuthSettings {
     pub audience: Option<String>,
     /// Clock skew tolerated on `exp` and `nbf`.
     pub leeway: Duration,
+}
+
+/// Shows the settings without the HS256 secret.
+impl std::fmt::Debug for AuthSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AuthSettings")
+            .field("hs256_secret", &self.hs256_secret.as_ref().map(|_| "(redacted)"))
+            .field("public_key_pem", &self.public_key_pem)
+            .field("jwks_file", &self.jwks_file)
+            .field("issuer", &self.issuer)
+            .field("audience", &self.audience)
+            .field("leeway", &self.leeway)
+            .finish()
+    }
 }
 
 impl AuthSettings {

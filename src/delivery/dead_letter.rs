@@ -11,8 +11,27 @@ pub const DEAD_LETTER_STREAM: &str = "KEYGATE_DEAD_LETTERS";
 /// Its subjects: `keygate.dlq.<stream>.<group>.<member>`.
 pub const DEAD_LETTER_SUBJECTS: &str = "keygate.dlq.>";
 
+/// Whose delivery failed: a partitioned group's member, or a plain
+/// consumer's subscriber (a group and a consumer may share a name).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Owner {
+    #[default]
+    Group,
+    Consumer,
+}
+
+impl Owner {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Owner::Group => "group",
+            Owner::Consumer => "consumer",
+        }
+    }
+}
+
 /// What to record with a dead letter.
 pub struct DeadLetter<'a> {
+    pub owner: Owner,
     pub stream: &'a str,
     pub group: &'a str,
     pub member: &'a str,
@@ -26,8 +45,28 @@ pub struct DeadLetter<'a> {
     pub payload: Bytes,
 }
 
-/// Copies a message to the dead-letter stream and waits for the store.
-pub async fn record(js: &jetstream::Context, letter: DeadLetter<'_>) -> anyhow::Result<u64> {
+/// The stored copy of one failed message: only `record` makes one, and a
+/// message is terminated only with it in hand.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stored {
+    /// The dead letter's id (its `Nats-Msg-Id`).
+    pub id: String,
+    /// Its sequence in the dead-letter stream.
+    pub seq: u64,
+}
+
+/// The dead letter's `Nats-Msg-Id`: one per failed message and holder,
+/// however often termination is retried. Names are `[A-Za-z0-9_-]`, so the
+/// `:` separators cannot be forged by a name.
+pub fn dead_letter_id(owner: Owner, stream: &str, group: &str, member: &str, seq: u64) -> String {
+    format!("dlq:{}:{stream}:{group}:{member}:{seq}", owner.as_str())
+}
+
+/// Copies a message to the dead-letter stream and waits for the store. A
+/// `duplicate` answer is accepted only when the copy already stored under
+/// that id is this message's (an earlier attempt stored it, then could not
+/// terminate); anything else is an error and the message is not terminated.
+pub async fn record(js: &jetstream::Context, letter: DeadLetter<'_>) -> anyhow::Result<Stored> {
     ensure_stream(js).await?;
     let mut headers = HeaderMap::new();
     if let Some(original) = letter.headers {
@@ -51,11 +90,24 @@ pub async fn record(js: &jetstream::Context, letter: DeadLetter<'_>) -> anyhow::
     if let Some(key) = letter.key {
         headers.insert("keygate-key", super::header_safe(key).as_str());
     }
-    // One dead letter per original message, however often termination is retried.
-    headers.insert("Nats-Msg-Id", format!("dlq-{}-{}-{}", letter.stream, letter.group, letter.stream_seq).as_str());
+    headers.insert("keygate-owner", letter.owner.as_str());
+    let id = dead_letter_id(letter.owner, letter.stream, letter.group, letter.member, letter.stream_seq);
+    headers.insert("Nats-Msg-Id", id.as_str());
     let subject = format!("keygate.dlq.{}.{}.{}", letter.stream, letter.group, letter.member);
     let ack = js.publish_with_headers(subject, headers, letter.payload).await?.await?;
-    Ok(ack.sequence)
+    if ack.duplicate {
+        let stored = js.get_stream_no_info(DEAD_LETTER_STREAM).await?.get_raw_message(ack.sequence).await?;
+        let same = stored.headers.get("Nats-Msg-Id").map(|v| v.as_str()) == Some(id.as_str())
+            && stored.headers.get("keygate-owner").map(|v| v.as_str()) == Some(letter.owner.as_str())
+            && stored.headers.get("keygate-stream-seq").map(|v| v.as_str())
+                == Some(letter.stream_seq.to_string().as_str());
+        if !same {
+            anyhow::bail!(
+                "the dead-letter stream answered duplicate for {id}, but the stored copy is another message's"
+            );
+        }
+    }
+    Ok(Stored { id, seq: ack.sequence })
 }
 
 async fn ensure_stream(js: &jetstream::Context) -> anyhow::Result<()> {
@@ -72,5 +124,25 @@ async fn ensure_stream(js: &jetstream::Context) -> anyhow::Result<()> {
     match js.create_stream(config).await {
         Ok(_) => Ok(()),
         Err(e) => js.get_stream(DEAD_LETTER_STREAM).await.map(|_| ()).map_err(|_| e.into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dead_letter_ids_tell_owners_and_names_apart() {
+        let ids = [
+            dead_letter_id(Owner::Group, "S", "billing", "m1", 7),
+            dead_letter_id(Owner::Consumer, "S", "billing", "m1", 7),
+            dead_letter_id(Owner::Group, "S", "a-b", "c", 7),
+            dead_letter_id(Owner::Group, "S", "a", "b-c", 7),
+            dead_letter_id(Owner::Group, "S-a", "b", "c", 7),
+            dead_letter_id(Owner::Group, "S", "billing", "m1", 70),
+        ];
+        let distinct: std::collections::HashSet<_> = ids.iter().collect();
+        assert_eq!(distinct.len(), ids.len(), "{ids:?}");
+        assert_eq!(ids[0], "dlq:group:S:billing:m1:7");
     }
 }

@@ -38,7 +38,7 @@ impl Default for Backoff {
 }
 
 /// A webhook as `PUT …/members/{member}/webhook` takes it.
-#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[derive(Clone, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct WebhookSpec {
     /// Where messages are POSTed.
@@ -60,7 +60,7 @@ pub struct WebhookSpec {
 }
 
 /// A stored registration.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
 pub struct Registration {
     pub url: String,
     pub secret: String,
@@ -70,6 +70,33 @@ pub struct Registration {
     /// Consumer subscribers only: how they pull and how many deliveries run at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub subscriber: Option<SubscriberOptions>,
+}
+
+// Debug output never carries the signing secret or the URL's query string:
+// whatever logs these types cannot leak them.
+impl std::fmt::Debug for WebhookSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WebhookSpec")
+            .field("url", &redact_url(&self.url))
+            .field("secret", &self.secret.as_ref().map(|_| "(redacted)"))
+            .field("timeout_ms", &self.timeout_ms)
+            .field("max_attempts", &self.max_attempts)
+            .field("backoff", &self.backoff)
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for Registration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registration")
+            .field("url", &redact_url(&self.url))
+            .field("secret", &"(redacted)")
+            .field("timeout_ms", &self.timeout_ms)
+            .field("max_attempts", &self.max_attempts)
+            .field("backoff", &self.backoff)
+            .field("subscriber", &self.subscriber)
+            .finish()
+    }
 }
 
 /// How a webhook subscriber of a plain consumer pulls.
@@ -304,7 +331,9 @@ impl WebhookClient {
         let response = match request.body(outbound.body.clone()).send().await {
             Ok(r) => r,
             Err(e) if e.is_timeout() => return judge(&Response::Timeout, now, MAX_RETRY_AFTER),
-            Err(e) => return judge(&Response::ConnectionError(error_chain(&e)), now, MAX_RETRY_AFTER),
+            // reqwest names the URL in its errors; its query string is often
+            // a token, and this text reaches events and dead letters.
+            Err(e) => return judge(&Response::ConnectionError(error_chain(&e.without_url())), now, MAX_RETRY_AFTER),
         };
         let status = response.status().as_u16();
         let header = |name: &str| response.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
@@ -339,6 +368,21 @@ async fn read_capped(mut response: reqwest::Response) -> Result<Vec<u8>, reqwest
     Ok(body)
 }
 
+/// A URL fit for a log line: scheme, host, port and path, without the user
+/// info and query string that often carry credentials.
+pub fn redact_url(url: &str) -> String {
+    match reqwest::Url::parse(url) {
+        Ok(mut parsed) => {
+            let _ = parsed.set_username("");
+            let _ = parsed.set_password(None);
+            parsed.set_query(None);
+            parsed.set_fragment(None);
+            parsed.to_string()
+        }
+        Err(_) => "(unparsable URL)".to_owned(),
+    }
+}
+
 fn error_chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut source = e.source();
@@ -348,4 +392,26 @@ fn error_chain(e: &dyn std::error::Error) -> String {
         source = s.source();
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registrations_never_show_their_secret_or_url_credentials() {
+        let registration = Registration {
+            url: "https://user:pw@hooks.example/orders?token=abc123#frag".into(),
+            secret: "whsec_c2VjcmV0c2VjcmV0".into(),
+            timeout_ms: 1,
+            max_attempts: 1,
+            backoff: Backoff { initial_ms: 1, max_ms: 1 },
+            subscriber: None,
+        };
+        let shown = format!("{registration:?}");
+        for secret in ["whsec_c2VjcmV0c2VjcmV0", "abc123", "pw@", "frag"] {
+            assert!(!shown.contains(secret), "{shown}");
+        }
+        assert!(shown.contains("https://hooks.example/orders"), "{shown}");
+    }
 }

@@ -187,8 +187,12 @@ impl SocketEndpoint {
         self.awaiting().remove(&id);
         match answer {
             Some(ClientFrame::Ack { .. }) => Judgement { verdict: Verdict::Ack, gone: false, reason: "acked".into() },
+            // Capped like a webhook's Retry-After: a huge delay would hold
+            // the partition (and every later holder's barrier) for ever.
             Some(ClientFrame::Nak { delay_ms, .. }) => Judgement {
-                verdict: Verdict::Nak { delay: delay_ms.map(Duration::from_millis) },
+                verdict: Verdict::Nak {
+                    delay: delay_ms.map(|ms| Duration::from_millis(ms).min(super::webhook::MAX_RETRY_AFTER)),
+                },
                 gone: false,
                 reason: "NAK'd by the client".into(),
             },

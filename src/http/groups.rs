@@ -127,7 +127,7 @@ async fn partition_operation(
         .map(|(m, _)| m)
         .ok_or_else(|| ApiError::Conflict(format!("no member owns partition {partition}")))?;
     let member = MemberName::parse(&owner)?;
-    let who = MemberRef { stream, group, member: member.clone() };
+    let who = MemberRef { stream, group, member: member.clone(), owner: Default::default() };
     let reply = ask(&state.nats, &who, &control).await.ok_or_else(|| {
         ApiError::Conflict(format!(
             "no keygate instance holds member {member}'s pin, so nothing is delivering partition {partition}"

@@ -76,7 +76,7 @@ pub async fn join_member(
         return Err(ApiError::NotFound(format!("{member} is not a member of group {group}")));
     }
     let instances = state.instances.clone().ok_or_else(|| ApiError::Unavailable("keygate is starting".into()))?;
-    let who = MemberRef { stream, group, member };
+    let who = MemberRef { stream, group, member, owner: Default::default() };
     let connections = state.connections.clone();
     let events_of =
         crate::events::subject_filter(Some(who.stream.as_str()), Some(who.group.as_str()), Some(who.member.as_str()));

@@ -8,11 +8,11 @@ use std::time::Duration;
 use async_nats::jetstream::{self, AckKind};
 
 use super::instance::{InstanceContext, MemberRef};
-use super::lanes::Settled;
+use super::lanes::{Settled, Settlement};
 use crate::delivery::dead_letter::{self, DeadLetter};
 use crate::delivery::endpoint::Endpoint;
 use crate::delivery::header_safe;
-use crate::delivery::verdict::{backoff, Verdict};
+use crate::delivery::verdict::{backoff, Judgement, Verdict};
 use crate::delivery::webhook::Outbound;
 use crate::events::{Event, EventType};
 
@@ -32,6 +32,44 @@ pub struct Delivered {
 /// A delivered message, shared by its lane and its delivery.
 pub type Held = Arc<Delivered>;
 
+/// What lets a message leave its consumer. Nothing else does: every ack and
+/// term keygate sends goes through [`remove`] with one of these
+/// (docs/guarantees.md, "Nothing acknowledged is lost").
+pub enum Because<'a> {
+    /// The endpoint's verdict (a 2xx, a WebSocket ack, `keygate-ack: ack`).
+    EndpointAcked(&'a Judgement),
+    /// The message's dead-letter copy is stored.
+    DeadLettered(&'a dead_letter::Stored),
+    /// This lane settled this very sequence before, and the server
+    /// redelivered it: that ack or term was lost, so it is sent again.
+    SettledBefore(Settlement),
+}
+
+/// Acks or terminates `held` for the reason given; refuses (sends nothing,
+/// counts `keygate_acks_without_verdict_total`) when the reason does not
+/// hold, so the message is redelivered rather than lost.
+pub async fn remove(held: &Delivered, because: Because<'_>) -> Result<Settlement, String> {
+    let how = match because {
+        Because::EndpointAcked(judgement) if judgement.verdict == Verdict::Ack => Settlement::Acked,
+        Because::DeadLettered(stored) if !stored.id.is_empty() => Settlement::Terminated,
+        Because::SettledBefore(how) => how,
+        _ => {
+            metrics::counter!(crate::metrics::ACKS_WITHOUT_VERDICT).increment(1);
+            tracing::error!(
+                seq = held.stream_seq,
+                "refused to remove a message without a verdict; it will be redelivered"
+            );
+            return Err("no verdict".into());
+        }
+    };
+    let kind = match how {
+        Settlement::Acked => AckKind::Ack,
+        Settlement::Terminated => AckKind::Term,
+    };
+    held.message.ack_with(kind).await.map_err(|e| e.to_string())?;
+    Ok(how)
+}
+
 /// What a delivery future reports.
 pub struct Outcome {
     pub settled: Settled,
@@ -43,10 +81,15 @@ pub struct Outcome {
 /// The origin stream and sequence of a message: an elastic group's
 /// work-queue copy names its source in `Nats-Stream-Source`.
 /// Whether a message header may go to the endpoint: not NATS's own, not
-/// keygate's or the signature's, not one that frames the HTTP request.
+/// keygate's or the signature's, not one that frames the HTTP request, and
+/// no credentials: the signature does not cover headers, so an endpoint
+/// trusting a forwarded `Authorization` would act for whoever published.
 pub(crate) fn forwardable(name: &str) -> bool {
     let lower = name.to_ascii_lowercase();
-    const FRAMING: [&str; 9] = [
+    const NEVER_FORWARDED: [&str; 12] = [
+        "authorization",
+        "cookie",
+        "set-cookie",
         "host",
         "content-length",
         "transfer-encoding",
@@ -61,7 +104,7 @@ pub(crate) fn forwardable(name: &str) -> bool {
         || lower.starts_with("keygate-")
         || lower.starts_with("webhook-")
         || lower.starts_with("proxy-")
-        || FRAMING.contains(&lower.as_str()))
+        || NEVER_FORWARDED.contains(&lower.as_str()))
 }
 
 pub fn origin_of(message: &jetstream::Message, stream: &str, seq: u64) -> (String, u64) {
@@ -145,13 +188,15 @@ pub async fn deliver(
     };
     let settled = match judgement.verdict {
         Verdict::Ack => {
-            if let Err(e) = held.message.ack().await {
+            // A lost ack means a redelivery, which the lane answers from its
+            // memory of this settlement, or delivers again (a duplicate).
+            if let Err(e) = remove(&held, Because::EndpointAcked(&judgement)).await {
                 tracing::debug!(error = %e, "ack not sent");
             }
             let mut e = event(EventType::MessageAcked);
             e.reason = Some(judgement.reason.clone());
             events.push(e);
-            Settled::Done
+            Settled::Done(Settlement::Acked)
         }
         Verdict::Nak { .. } | Verdict::Progress if held.attempt >= endpoint.max_attempts() => {
             let reason = format!("gave up after {} attempts: {}", held.attempt, judgement.reason);
@@ -169,8 +214,8 @@ pub async fn deliver(
         }
     };
     let verdict = match &settled {
-        Settled::Done if matches!(judgement.verdict, Verdict::Ack) => "ack",
-        Settled::Done => "term",
+        Settled::Done(Settlement::Acked) => "ack",
+        Settled::Done(Settlement::Terminated) => "term",
         _ => "nak",
     };
     let mut with_verdict = labels.to_vec();
@@ -193,7 +238,7 @@ async fn terminate(
     match dead_letter_and_term(ctx, who, held, reason).await {
         Ok(mut done) => {
             events.append(&mut done);
-            Settled::Done
+            Settled::Done(Settlement::Terminated)
         }
         Err(err) => nak(held, retry_in, reason, &err.to_string(), events, naked).await,
     }
@@ -225,9 +270,10 @@ pub async fn dead_letter_and_term(
     held: &Delivered,
     reason: &str,
 ) -> anyhow::Result<Vec<Event>> {
-    dead_letter::record(
+    let stored = dead_letter::record(
         &ctx.js,
         DeadLetter {
+            owner: who.owner,
             stream: who.stream.as_str(),
             group: who.group.as_str(),
             member: who.member.as_str(),
@@ -242,7 +288,7 @@ pub async fn dead_letter_and_term(
         },
     )
     .await?;
-    held.message.ack_with(AckKind::Term).await.map_err(|e| anyhow::anyhow!("terminating: {e}"))?;
+    remove(held, Because::DeadLettered(&stored)).await.map_err(|e| anyhow::anyhow!("terminating: {e}"))?;
     metrics::counter!(crate::metrics::DEAD_LETTERS, "stream" => who.stream.to_string(), "group" => who.group.to_string())
         .increment(1);
     let mut out = Vec::new();
@@ -274,6 +320,8 @@ mod tests {
             "KEYGATE-key",
             "Connection",
             "proxy-authorization",
+            "Authorization",
+            "cookie",
         ] {
             assert!(!super::forwardable(dropped), "{dropped}");
         }

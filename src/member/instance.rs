@@ -22,10 +22,10 @@ use tokio_util::sync::CancellationToken;
 
 use super::consumer::{join, pull_expiry, JoinError};
 use super::control::{BlockedPartition, Control, ControlReply};
-use super::deliver::{dead_letter_and_term, deliver, origin_of, Delivered, Held, Outcome};
+use super::deliver::{dead_letter_and_term, deliver, origin_of, remove, Because, Delivered, Held, Outcome};
 use super::fencing::next_token;
-use super::lanes::{Blocked, Lanes, Offered, Settled};
-use super::pull::{classify, next_subject, PullRequest, Reply};
+use super::lanes::{Blocked, Lanes, Offered, Settled, Settlement};
+use super::pull::{classify, next_subject, DeliveryGaps, PullRequest, Reply};
 use crate::delivery::endpoint::Endpoint;
 use crate::delivery::signing::SigningKey;
 use crate::delivery::webhook::{registration_key, Registration, WebhookClient, WebhookStore};
@@ -99,6 +99,9 @@ pub struct MemberRef {
     pub stream: StreamName,
     pub group: GroupName,
     pub member: MemberName,
+    /// A group's member, or a plain consumer's subscriber (whose `group`
+    /// holds the consumer's name).
+    pub owner: crate::delivery::dead_letter::Owner,
 }
 
 impl MemberRef {
@@ -329,7 +332,8 @@ async fn deregister(ctx: &InstanceContext, who: &MemberRef, registration: &Regis
             let _ = ctx.webhook_store.delete(&key).await;
         }
     }
-    tracing::warn!(member = %who.member, url = %registration.url, "endpoint answered 410 Gone: stopped serving it");
+    tracing::warn!(member = %who.member, url = %crate::delivery::webhook::redact_url(&registration.url),
+        "endpoint answered 410 Gone: stopped serving it");
 }
 
 /// Where the key sits in a member's subjects, to give deliveries the key.
@@ -338,18 +342,19 @@ struct KeyLocator {
 }
 
 impl KeyLocator {
-    async fn for_group(ctx: &InstanceContext, config: &GroupConfig, stream: &str) -> Self {
+    /// `None` when the stream cannot be read now: a session without keys
+    /// would deliver without `keygate-key` for its whole life, so it waits.
+    async fn for_group(ctx: &InstanceContext, config: &GroupConfig, stream: &str) -> Option<Self> {
         let mut patterns = Vec::new();
         match config {
             GroupConfig::Static(_) => {
-                if let Ok(s) = ctx.js.get_stream(stream).await {
-                    if let Some(t) = &s.cached_info().config.subject_transform {
-                        if let (Some(spec), Ok(source)) =
-                            (PartitionSpec::from_transform(&t.destination), SubjectPattern::parse(&t.source))
-                        {
-                            if let [w] = spec.wildcards.as_slice() {
-                                patterns.push((source, *w as usize));
-                            }
+                let s = ctx.js.get_stream(stream).await.ok()?;
+                if let Some(t) = &s.cached_info().config.subject_transform {
+                    if let (Some(spec), Ok(source)) =
+                        (PartitionSpec::from_transform(&t.destination), SubjectPattern::parse(&t.source))
+                    {
+                        if let [w] = spec.wildcards.as_slice() {
+                            patterns.push((source, *w as usize));
                         }
                     }
                 }
@@ -364,7 +369,7 @@ impl KeyLocator {
                 }
             }
         }
-        Self { patterns }
+        Some(Self { patterns })
     }
 
     fn key(&self, subject: &str) -> Option<String> {
@@ -483,7 +488,7 @@ async fn run_lane(shared: LaneShared, partition: u32, first: (u64, Held)) {
             match dead_letter_and_term(&shared.ctx, &shared.who, &held, "skipped by an operator").await {
                 Ok(mut events) => {
                     outcome.events.append(&mut events);
-                    outcome.settled = Settled::Done;
+                    outcome.settled = Settled::Done(Settlement::Terminated);
                 }
                 Err(e) => tracing::warn!(error = %e, partition, seq, "could not dead-letter a skipped message"),
             }
@@ -553,6 +558,8 @@ struct Session {
     lane_tasks: JoinSet<()>,
     /// Tells this session apart from other instances of the member in this process.
     session_id: u64,
+    /// The consumer's delivery sequence as this session saw it.
+    gaps: DeliveryGaps,
 }
 
 impl Session {
@@ -567,7 +574,7 @@ impl Session {
         consumer: String,
         ack_wait: Duration,
     ) -> Option<Self> {
-        let keys = KeyLocator::for_group(&ctx, &config, who.stream.as_str()).await;
+        let keys = KeyLocator::for_group(&ctx, &config, who.stream.as_str()).await?;
         let inbox = ctx.nats.new_inbox();
         let blocked_reported = BlockedPartitions::new(&who);
         let shared = LaneShared {
@@ -602,6 +609,7 @@ impl Session {
             outstanding: VecDeque::new(),
             lane_tasks: JoinSet::new(),
             session_id: rand::random::<u64>() >> 16,
+            gaps: DeliveryGaps::default(),
         })
     }
 
@@ -852,6 +860,18 @@ impl Session {
         let message = jetstream::Message { message: reply, context: self.ctx().js.clone() };
         let Ok(info) = message.info() else { return };
         let (stream_seq, attempt) = (info.stream_sequence, info.delivered.max(1) as u64);
+        if self.gaps.missed_before(info.consumer_sequence) && self.pin.is_some() {
+            // Deliveries went where this session never saw them (a pull whose
+            // reply was lost with a NATS connection): they come back only at
+            // ack wait, and nothing of the member may pass them until then.
+            // The handover barrier waits for exactly that.
+            self.shared.lock().lanes.set_barrier(true);
+            metrics::counter!(crate::metrics::DELIVERY_GAPS, "stream" => self.who().stream.to_string(),
+                "group" => self.who().group.to_string())
+            .increment(1);
+            tracing::info!(member = %self.who().member, consumer_seq = info.consumer_sequence,
+                "deliveries of the consumer went missing; holding until they are redelivered");
+        }
         let full = message.subject.to_string();
         let (partition, subject) = match full.split_once('.') {
             Some((p, rest)) => match p.parse::<u32>() {
@@ -865,9 +885,9 @@ impl Session {
         let held =
             Arc::new(Delivered { message, partition, stream_seq, attempt, subject, key, origin_stream, origin_seq });
         let offered = self.shared.lock().lanes.offer(partition, stream_seq, held.clone());
-        if offered == Offered::AlreadySettled {
+        if let Offered::AlreadySettled(how) = offered {
             tokio::spawn(async move {
-                let _ = held.message.ack().await;
+                let _ = remove(&held, Because::SettledBefore(how)).await;
             });
         }
     }
@@ -909,14 +929,17 @@ impl Session {
         }
         let Ok(handle) = self.ctx().js.get_stream_no_info(&self.stream_name).await else { return };
         for (partition, seq) in awaited {
-            let gone = matches!(handle.get_raw_message(seq).await, Err(e) if crate::nats::errors::is_not_found(&e)
-                || e.to_string().to_ascii_lowercase().contains("no message"));
+            // Only the stream leader's definite answer (error code 10037, "no
+            // message found") says it is gone; a timeout, no responders or
+            // an election says nothing, and the lane keeps waiting.
+            let gone = matches!(handle.get_raw_message(seq).await,
+                Err(e) if e.kind() == async_nats::jetstream::stream::RawMessageErrorKind::NoMessageFound);
             if !gone {
                 continue;
             }
             {
                 let mut state = self.shared.lock();
-                state.lanes.skip(partition, seq);
+                state.lanes.skip(partition, seq, None);
                 state.blocked_reported.remove(&partition);
             }
             let mut e = self.who().event(self.ctx(), EventType::PartitionUnblocked);
@@ -1043,7 +1066,7 @@ impl Session {
                         Ok(events) => {
                             {
                                 let mut state = self.shared.lock();
-                                state.lanes.skip(partition, seq);
+                                state.lanes.skip(partition, seq, Some(Settlement::Terminated));
                                 state.blocked_reported.remove(&partition);
                             }
                             for e in events {

@@ -6,9 +6,13 @@
 //! - a lane dispatches in stream-sequence order and never passes a lower
 //!   sequence of its partition that is still outstanding (NAK'd and awaiting
 //!   redelivery);
-//! - while the handover barrier is up nothing is dispatched.
+//! - while the handover barrier is up nothing is dispatched;
+//! - a redelivery is answered without the endpoint only when this very
+//!   sequence was settled here by a verdict (its ack or term was lost): the
+//!   same settlement is sent again. Anything else goes to the endpoint
+//!   (docs/guarantees.md, "Nothing acknowledged is lost").
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::SystemTime;
 
 /// Why a partition's head is not moving.
@@ -24,11 +28,27 @@ pub struct Blocked {
     pub last_error: String,
 }
 
+/// How a message left, as the endpoint (or an operator) decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settlement {
+    /// The endpoint acked it.
+    Acked,
+    /// Its dead-letter copy is stored and it was terminated.
+    Terminated,
+}
+
+/// Settled sequences remembered per lane, to answer a redelivery whose ack
+/// was lost. Older ones are forgotten: their redelivery is delivered again
+/// (a duplicate with a higher attempt, never a loss).
+const REMEMBERED_SETTLEMENTS: usize = 64;
+
 #[derive(Debug)]
 struct Lane<M> {
-    /// Highest sequence settled in this lane: a redelivery at or below it
-    /// (an ack that was lost) is not dispatched again.
+    /// Highest sequence settled in this lane (backlog estimates only: it is
+    /// a maximum, not a set, and never decides what is acked).
     floor: u64,
+    /// The sequences settled most recently, exactly, with how.
+    settled: VecDeque<(u64, Settlement)>,
     held: BTreeMap<u64, M>,
     in_flight: Option<(u64, M)>,
     /// NAK'd messages, with their last copy (for skip and retry-now).
@@ -38,13 +58,32 @@ struct Lane<M> {
 
 impl<M> Default for Lane<M> {
     fn default() -> Self {
-        Self { floor: 0, held: BTreeMap::new(), in_flight: None, awaiting: BTreeMap::new(), blocked: None }
+        Self {
+            floor: 0,
+            settled: VecDeque::new(),
+            held: BTreeMap::new(),
+            in_flight: None,
+            awaiting: BTreeMap::new(),
+            blocked: None,
+        }
     }
 }
 
 impl<M> Lane<M> {
     fn is_empty(&self) -> bool {
         self.held.is_empty() && self.in_flight.is_none() && self.awaiting.is_empty() && self.blocked.is_none()
+    }
+
+    fn remember(&mut self, seq: u64, how: Settlement) {
+        self.floor = self.floor.max(seq);
+        if self.settled.len() == REMEMBERED_SETTLEMENTS {
+            self.settled.pop_front();
+        }
+        self.settled.push_back((seq, how));
+    }
+
+    fn settlement_of(&self, seq: u64) -> Option<Settlement> {
+        self.settled.iter().rev().find(|(s, _)| *s == seq).map(|(_, how)| *how)
     }
 
     /// The head, if it may go now.
@@ -64,7 +103,7 @@ impl<M> Lane<M> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Settled {
     /// Acked or terminated: it is gone.
-    Done,
+    Done(Settlement),
     /// NAK'd: it will be redelivered, and nothing later in its partition may
     /// pass it until then.
     Naked { attempts: u64, error: String },
@@ -81,9 +120,9 @@ pub enum Offered {
     /// A redelivery of a message already held or in flight: the newer copy
     /// replaces a held one; an in-flight one keeps going.
     Duplicate,
-    /// A redelivery of a message already settled (its ack was lost): ack it
-    /// again, do not deliver it again.
-    AlreadySettled,
+    /// A redelivery of a message this lane settled itself (its ack or term
+    /// was lost): send the same settlement again, do not deliver it again.
+    AlreadySettled(Settlement),
 }
 
 /// All lanes of one member instance.
@@ -106,8 +145,10 @@ impl<M: Clone> Lanes<M> {
         if lane.in_flight.as_ref().is_some_and(|(s, _)| *s == seq) {
             return Offered::Duplicate;
         }
-        if seq <= lane.floor && !lane.awaiting.contains_key(&seq) {
-            return Offered::AlreadySettled;
+        if !lane.awaiting.contains_key(&seq) {
+            if let Some(how) = lane.settlement_of(seq) {
+                return Offered::AlreadySettled(how);
+            }
         }
         let returning = lane.awaiting.remove(&seq).is_some();
         let replaced = lane.held.insert(seq, message).is_some();
@@ -157,8 +198,8 @@ impl<M: Clone> Lanes<M> {
             }
         };
         match settled {
-            Settled::Done => {
-                lane.floor = lane.floor.max(seq);
+            Settled::Done(how) => {
+                lane.remember(seq, how);
                 if lane.blocked.as_ref().is_some_and(|b| b.seq == seq) {
                     lane.blocked = None;
                 }
@@ -260,12 +301,17 @@ impl<M: Clone> Lanes<M> {
         self.lanes.iter().filter_map(|(p, l)| l.awaiting.keys().next().map(|s| (*p, *s))).collect()
     }
 
-    /// Stops waiting for a blocked head (it was terminated): the partition
-    /// proceeds with what follows.
-    pub fn skip(&mut self, partition: u32, seq: u64) {
+    /// Stops waiting for a blocked head: it was terminated by an operator
+    /// (`Some`, remembered like any settlement), or the server answered that
+    /// it no longer exists (`None`: if it ever came back it would be
+    /// delivered). The partition proceeds with what follows.
+    pub fn skip(&mut self, partition: u32, seq: u64, how: Option<Settlement>) {
         if let Some(lane) = self.lanes.get_mut(&partition) {
             lane.awaiting.remove(&seq);
-            lane.floor = lane.floor.max(seq);
+            match how {
+                Some(how) => lane.remember(seq, how),
+                None => lane.floor = lane.floor.max(seq),
+            }
             if lane.blocked.as_ref().is_some_and(|b| b.seq == seq) {
                 lane.blocked = None;
             }
@@ -293,7 +339,7 @@ mod tests {
         }
         assert_eq!(seqs(&lanes.dispatch()), vec![(0, 1), (1, 2), (2, 5)]);
         assert!(lanes.dispatch().is_empty());
-        lanes.settle(1, 2, Settled::Done);
+        lanes.settle(1, 2, Settled::Done(Settlement::Acked));
         assert_eq!(seqs(&lanes.dispatch()), vec![(1, 4)]);
         assert_eq!(lanes.holding(), 4);
     }
@@ -311,7 +357,7 @@ mod tests {
         assert_eq!(lanes.blocked()[&0].seq, 1);
         assert_eq!(lanes.offer(0, 1, 1), Offered::Held);
         assert_eq!(seqs(&lanes.dispatch()), vec![(0, 1)]);
-        lanes.settle(0, 1, Settled::Done);
+        lanes.settle(0, 1, Settled::Done(Settlement::Acked));
         assert!(lanes.blocked().is_empty());
         assert_eq!(seqs(&lanes.dispatch()), vec![(0, 2)]);
     }
@@ -337,7 +383,7 @@ mod tests {
         lanes.dispatch();
         assert_eq!(lanes.offer(0, 1, 10), Offered::Duplicate);
         assert_eq!(lanes.offer(0, 2, 20), Offered::Duplicate);
-        lanes.settle(0, 1, Settled::Done);
+        lanes.settle(0, 1, Settled::Done(Settlement::Acked));
         let next = lanes.dispatch();
         assert_eq!(next, vec![(0, 2, 20)], "the newer copy (new reply subject) is used");
     }
@@ -347,12 +393,61 @@ mod tests {
         let mut lanes = Lanes::default();
         lanes.offer(3, 1, 1);
         lanes.dispatch();
-        lanes.settle(3, 1, Settled::Done);
+        lanes.settle(3, 1, Settled::Done(Settlement::Acked));
         assert_eq!(lanes.holding(), 0);
         assert!(lanes.partitions().is_empty());
-        assert_eq!(lanes.offer(3, 1, 1), Offered::AlreadySettled, "a lost ack's redelivery is not delivered again");
+        assert_eq!(
+            lanes.offer(3, 1, 1),
+            Offered::AlreadySettled(Settlement::Acked),
+            "a lost ack's redelivery is not delivered again"
+        );
         lanes.offer(3, 2, 2);
         assert_eq!(lanes.clear(), vec![2]);
+    }
+
+    #[test]
+    fn a_message_lost_in_transit_is_delivered_when_it_comes_back_after_later_ones_settled() {
+        // 2 and 3 went to a pull whose reply was lost with the NATS
+        // connection; 4 arrived on a later pull and was settled first.
+        let mut lanes = Lanes::default();
+        lanes.offer(0, 1, 1);
+        lanes.dispatch();
+        lanes.settle(0, 1, Settled::Done(Settlement::Acked));
+        lanes.offer(0, 4, 4);
+        lanes.dispatch();
+        lanes.settle(0, 4, Settled::Done(Settlement::Acked));
+        assert_eq!(lanes.offer(0, 2, 2), Offered::Held, "never acked without reaching the endpoint");
+        assert_eq!(lanes.offer(0, 3, 3), Offered::Held);
+        assert_eq!(seqs(&lanes.dispatch()), vec![(0, 2)]);
+        assert_eq!(lanes.offer(0, 4, 4), Offered::AlreadySettled(Settlement::Acked), "4's lost ack is sent again");
+    }
+
+    #[test]
+    fn only_recent_settlements_are_remembered_and_a_forgotten_one_is_delivered_again() {
+        let mut lanes = Lanes::default();
+        for seq in 1..=(REMEMBERED_SETTLEMENTS as u64 + 1) {
+            lanes.offer(0, seq, seq);
+            lanes.dispatch();
+            lanes.settle(0, seq, Settled::Done(Settlement::Acked));
+        }
+        assert_eq!(lanes.offer(0, 1, 1), Offered::Held, "a duplicate delivery, never a loss");
+        assert_eq!(lanes.offer(0, 2, 2), Offered::AlreadySettled(Settlement::Acked));
+    }
+
+    #[test]
+    fn a_skipped_head_is_terminated_again_if_it_returns_but_a_vanished_one_is_delivered() {
+        let mut lanes = Lanes::default();
+        for seq in [1, 2] {
+            lanes.offer(0, seq, seq);
+        }
+        lanes.dispatch();
+        lanes.settle(0, 1, naked());
+        lanes.skip(0, 1, Some(Settlement::Terminated));
+        assert_eq!(lanes.offer(0, 1, 1), Offered::AlreadySettled(Settlement::Terminated));
+        lanes.dispatch();
+        lanes.settle(0, 2, naked());
+        lanes.skip(0, 2, None);
+        assert_eq!(lanes.offer(0, 2, 2), Offered::Held);
     }
 
     #[test]
@@ -381,22 +476,45 @@ mod tests {
             let mut acked: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
             let mut in_flight: Vec<(u32, u64)> = Vec::new();
             let mut naked_out: Vec<(u32, u64)> = Vec::new();
+            let mut lost: Vec<(u32, u64)> = Vec::new();
+            // Only a message this lane settled may be answered without the endpoint.
+            let offer = |lanes: &mut Lanes<u64>, p: u32, s: u64, acked: &BTreeMap<u32, Vec<u64>>| {
+                if let Offered::AlreadySettled(_) = lanes.offer(p, s, s) {
+                    assert!(acked.get(&p).is_some_and(|a| a.contains(&s)), "seed {seed}: {s} settled unseen");
+                }
+            };
             for _ in 0..400 {
                 match rng.random_range(0..6) {
-                    4 => lanes.set_barrier(!lanes.barrier()),
+                    // The barrier falls only when nothing is missing (the
+                    // session's check: the server's ack-pending count is ours).
+                    4 => lanes.set_barrier(!lanes.barrier() || !lost.is_empty()),
                     5 if !naked_out.is_empty() => {
                         // An operator skips a blocked head: it never comes back.
                         let (p, s) = naked_out.remove(rng.random_range(0..naked_out.len()));
                         if lanes.blocked_head(p).is_some_and(|(head, _)| head == s) {
-                            lanes.skip(p, s);
+                            lanes.skip(p, s, Some(Settlement::Terminated));
                         } else {
                             naked_out.push((p, s));
                         }
                     }
                     0 => {
                         let p = rng.random_range(0..3);
-                        lanes.offer(p, next_seq, next_seq);
+                        if rng.random_bool(0.1) {
+                            // Lost in transit: the next delivery shows the gap
+                            // and the barrier goes up until it is redelivered.
+                            lost.push((p, next_seq));
+                        } else {
+                            if !lost.is_empty() {
+                                lanes.set_barrier(true);
+                            }
+                            offer(&mut lanes, p, next_seq, &acked);
+                        }
                         next_seq += 1;
+                    }
+                    3 if !lost.is_empty() => {
+                        // Redelivered at ack wait.
+                        let (p, s) = lost.remove(0);
+                        offer(&mut lanes, p, s, &acked);
                     }
                     1 if !in_flight.is_empty() => {
                         let (p, s) = in_flight.remove(rng.random_range(0..in_flight.len()));
@@ -404,13 +522,13 @@ mod tests {
                             lanes.settle(p, s, naked());
                             naked_out.push((p, s));
                         } else {
-                            lanes.settle(p, s, Settled::Done);
+                            lanes.settle(p, s, Settled::Done(Settlement::Acked));
                             acked.entry(p).or_default().push(s);
                         }
                     }
                     2 if !naked_out.is_empty() => {
                         let (p, s) = naked_out.remove(rng.random_range(0..naked_out.len()));
-                        lanes.offer(p, s, s);
+                        offer(&mut lanes, p, s, &acked);
                     }
                     _ => {
                         let barrier = lanes.barrier();

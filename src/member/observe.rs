@@ -27,8 +27,12 @@ pub async fn observe(
 ) -> Result<GroupView, ApiError> {
     let mut view = groups.view(stream, group, kind).await?;
     let asks = view.assignment.iter().filter(|m| m.pinned_client_id.is_some()).filter_map(|m| {
-        let who =
-            MemberRef { stream: stream.clone(), group: group.clone(), member: MemberName::parse(&m.member).ok()? };
+        let who = MemberRef {
+            stream: stream.clone(),
+            group: group.clone(),
+            member: MemberName::parse(&m.member).ok()?,
+            owner: Default::default(),
+        };
         Some(async move { (who.member.to_string(), ask(nats, &who, &Control::Status).await) })
     });
     let mut floors = BTreeMap::new();
@@ -56,8 +60,12 @@ pub async fn observe(
     view.blocked.sort_by_key(|b| b.partition);
     if roll_call {
         let calls = view.assignment.iter().filter_map(|m| {
-            let who =
-                MemberRef { stream: stream.clone(), group: group.clone(), member: MemberName::parse(&m.member).ok()? };
+            let who = MemberRef {
+                stream: stream.clone(),
+                group: group.clone(),
+                member: MemberName::parse(&m.member).ok()?,
+                owner: Default::default(),
+            };
             Some(async move {
                 (who.member.to_string(), crate::member::control::roll_call(nats, &who, ROLL_CALL_WINDOW).await)
             })

@@ -77,9 +77,40 @@ pub fn classify(status: Option<StatusCode>, description: Option<&str>, headers: 
     }
 }
 
+/// The consumer's delivery sequence as one session sees it. The server
+/// numbers every delivery of a consumer, redeliveries included, so a jump
+/// means deliveries went where this session never saw them: to a pull
+/// whose reply was lost with a NATS connection, or to another client.
+#[derive(Debug, Default)]
+pub struct DeliveryGaps {
+    last: Option<u64>,
+}
+
+impl DeliveryGaps {
+    /// Records a delivery; true when it does not follow the last one seen
+    /// (deliveries are missing before it, or the numbering restarted, as a
+    /// new consumer leader may do: both are treated alike).
+    pub fn missed_before(&mut self, consumer_seq: u64) -> bool {
+        let broken = self.last.is_some_and(|last| consumer_seq != last + 1);
+        self.last = Some(consumer_seq);
+        broken
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_jump_in_the_delivery_sequence_is_a_gap() {
+        let mut gaps = DeliveryGaps::default();
+        assert!(!gaps.missed_before(7), "the first delivery of a session starts the count");
+        assert!(!gaps.missed_before(8));
+        assert!(gaps.missed_before(11), "9 and 10 went elsewhere");
+        assert!(!gaps.missed_before(12));
+        assert!(gaps.missed_before(5), "numbering restarted");
+        assert!(!gaps.missed_before(6));
+    }
 
     #[test]
     fn pull_bodies_carry_the_group_and_the_pin_once_held() {

@@ -86,7 +86,12 @@ pub async fn serve_consumer(
 ) {
     // Events of a subscriber: keygate.events.<stream>.<consumer>.<subscriber>.<type>.
     let Ok(group) = GroupName::parse(target.consumer.as_str()) else { return };
-    let who = MemberRef { stream: target.stream.clone(), group, member: target.subscriber.clone() };
+    let who = MemberRef {
+        stream: target.stream.clone(),
+        group,
+        member: target.subscriber.clone(),
+        owner: crate::delivery::dead_letter::Owner::Consumer,
+    };
     while !cancel.is_cancelled() {
         match Box::pin(serve_once(&ctx, &target, &who, &endpoint, options, &cancel)).await {
             Ok(()) => return,

@@ -12,6 +12,7 @@ use tokio_util::task::TaskTracker;
 
 use super::instance::{serve_webhook, InstanceContext, MemberRef};
 use super::subscriber::{serve_consumer_webhook, ConsumerTarget};
+use crate::delivery::dead_letter::Owner;
 use crate::delivery::webhook::{Registration, CONSUMER_WEBHOOKS_BUCKET, WEBHOOKS_BUCKET};
 use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
 
@@ -28,6 +29,7 @@ fn member_of(key: &str) -> Option<MemberRef> {
         stream: StreamName::parse(parts.next()?).ok()?,
         group: GroupName::parse(parts.next()?).ok()?,
         member: MemberName::parse(parts.next()?).ok()?,
+        owner: Owner::Group,
     })
 }
 
@@ -48,7 +50,7 @@ pub async fn supervise(ctx: Arc<InstanceContext>, shutdown: CancellationToken) {
         let who = member_of(&key);
         async move {
             if let Some(who) = who {
-                tracing::info!(stream = %who.stream, group = %who.group, member = %who.member, url = %registration.url, "serving webhook member");
+                tracing::info!(stream = %who.stream, group = %who.group, member = %who.member, url = %crate::delivery::webhook::redact_url(&registration.url), "serving webhook member");
                 serve_webhook(ctx, who, registration, token).await;
             }
         }
@@ -57,7 +59,7 @@ pub async fn supervise(ctx: Arc<InstanceContext>, shutdown: CancellationToken) {
         let target = consumer_of(&key);
         async move {
             if let Some(target) = target {
-                tracing::info!(stream = %target.stream, consumer = %target.consumer, subscriber = %target.subscriber, url = %registration.url, "serving consumer subscriber");
+                tracing::info!(stream = %target.stream, consumer = %target.consumer, subscriber = %target.subscriber, url = %crate::delivery::webhook::redact_url(&registration.url), "serving consumer subscriber");
                 serve_consumer_webhook(ctx, target, registration, token).await;
             }
         }
@@ -102,11 +104,12 @@ where
                 entry = watch.next() => entry,
                 () = shutdown.cancelled() => break 'watching,
             };
-            tracing::debug!(?entry, "registration update");
             let Some(Ok(entry)) = entry else {
                 // The watch ended (NATS reconnect): watch again from the start.
                 continue 'watching;
             };
+            // Never the entry itself: its value holds the signing secret.
+            tracing::debug!(key = %entry.key, operation = ?entry.operation, revision = entry.revision, "registration update");
             let registration = match entry.operation {
                 async_nats::jetstream::kv::Operation::Put => serde_json::from_slice::<Registration>(&entry.value).ok(),
                 _ => None,

@@ -8,18 +8,23 @@ use crate::config::NatsAuth;
 
 /// Connects to `url`, retrying in the background when the servers are not up
 /// yet, so keygate starts and reports not-ready instead of exiting.
-pub async fn connect(url: &str, auth: &NatsAuth) -> anyhow::Result<async_nats::Client> {
-    connect_with(url, auth, true).await
+pub async fn connect(url: &str, auth: &NatsAuth, name: &str) -> anyhow::Result<async_nats::Client> {
+    connect_with(url, auth, name, true).await
 }
 
 /// Connects once, failing when no server answers (for one-shot commands).
 pub async fn connect_once(url: &str, auth: &NatsAuth) -> anyhow::Result<async_nats::Client> {
-    connect_with(url, auth, false).await
+    connect_with(url, auth, "keygate", false).await
 }
 
-async fn connect_with(url: &str, auth: &NatsAuth, retry_initial: bool) -> anyhow::Result<async_nats::Client> {
+async fn connect_with(
+    url: &str,
+    auth: &NatsAuth,
+    name: &str,
+    retry_initial: bool,
+) -> anyhow::Result<async_nats::Client> {
     let mut options = async_nats::ConnectOptions::new()
-        .name("keygate")
+        .name(name)
         .connection_timeout(Duration::from_secs(5))
         .request_timeout(Some(Duration::from_secs(5)))
         .read_buffer_capacity(8192)

@@ -67,4 +67,12 @@ pub mod codes {
     pub const STREAM_NAME_IN_USE: u64 = 10058;
     /// Subjects overlap with an existing stream.
     pub const SUBJECT_OVERLAP: u64 = 10065;
+    /// JetStream is temporarily unavailable (no meta leader): retry.
+    pub const JETSTREAM_UNAVAILABLE: u64 = 10008;
+    /// The stream's byte limit is more than the server's storage can reserve.
+    pub const STORAGE_RESOURCES_EXCEEDED: u64 = 10047;
+    /// Likewise for memory storage.
+    pub const MEMORY_RESOURCES_EXCEEDED: u64 = 10028;
+    /// More replicas than the cluster has servers.
+    pub const REPLICAS_EXCEED_CLUSTER: u64 = 10074;
 }

@@ -340,3 +340,55 @@ async fn a_duplicate_answers_where_the_first_message_was_stored() {
     assert_eq!(retry["subject"], "dup.alice");
     assert_eq!(retry["partition"], first["partition"]);
 }
+
+#[tokio::test]
+async fn publishers_cannot_write_keygate_or_server_state() {
+    let app = TestApp::start().await;
+    app.create_stream("ORDERS", json!({"subjects":["orders.*"],"partitions":4})).await;
+    let (status, _) =
+        app.put("/v1/streams/ORDERS/groups/g", json!({"kind":"static","partitions":4,"members":["m1"]})).await;
+    assert_eq!(status, 201);
+    let hook = json!({"url":"http://127.0.0.1:9/hook"});
+    let (status, answer) = app.put("/v1/streams/ORDERS/groups/g/members/m1/webhook", hook).await;
+    assert_eq!(status, 201, "{answer}");
+    let registration = app.kv_raw("keygate-webhooks", "ORDERS.g.m1").await.expect("registered");
+
+    // Redirecting a member's deliveries, deleting its registration, or
+    // editing a pcgroups configuration, through the data path.
+    let attacks = [
+        ("KV_keygate-webhooks", json!({"subject":"$KV.keygate-webhooks.ORDERS.g.m1","data":{"url":"http://evil"}})),
+        ("KV_keygate-webhooks", json!({"subject":"$KV.keygate-webhooks.ORDERS.g.m1","headers":{"KV-Operation":"DEL"}})),
+        ("KV_static-consumer-groups", json!({"subject":"$KV.static-consumer-groups.ORDERS.g","data":{}})),
+        ("ORDERS", json!({"key":"k","data":1,"headers":{"KV-Operation":"PURGE"}})),
+        ("ORDERS", json!({"key":"k","data":1,"headers":{"Nats-Expected-Last-Sequence":"0"}})),
+    ];
+    for (stream, body) in attacks {
+        let (status, problem) = app.post(&format!("/v1/streams/{stream}/messages"), body.clone()).await;
+        assert!(status == 403 || status == 400, "{stream} {body}: {status} {problem}");
+        let batch = json!({"messages":[body.clone()]});
+        let (status, answer) = app.post(&format!("/v1/streams/{stream}/messages/batch"), batch).await;
+        let refused =
+            status == 403 || answer["results"][0]["error"]["status"].as_u64().is_some_and(|s| s == 400 || s == 403);
+        assert!(refused, "batch {stream} {body}: {status} {answer}");
+    }
+    assert_eq!(app.kv_raw("keygate-webhooks", "ORDERS.g.m1").await.as_deref(), Some(registration.as_slice()));
+    let stored = app.stream_messages("ORDERS").await;
+    assert!(stored.is_empty(), "nothing was stored: {}", stored.len());
+
+    // keygate's own subject spaces, even when a stream captures everything.
+    app.create_stream("WIDE", json!({"subjects":["wide.>"]})).await;
+    let (status, problem) =
+        app.post("/v1/streams/WIDE/messages", json!({"subject":"keygate.control.ORDERS.g.m1"})).await;
+    assert_eq!(status, 400, "{problem}");
+}
+
+#[tokio::test]
+async fn header_names_http_cannot_carry_are_refused_at_publish() {
+    let app = TestApp::start().await;
+    app.create_stream("H", json!({"subjects":["h.*"]})).await;
+    for headers in [json!({"a(b":"x"}), json!({"a b":"x"}), json!({"x":"a\u{1}b"})] {
+        let (status, problem) = app.post("/v1/streams/H/messages", json!({"key":"k","data":1,"headers":headers})).await;
+        assert_eq!(status, 400, "{headers}: {problem}");
+    }
+    assert!(app.stream_messages("H").await.is_empty());
+}

@@ -12,6 +12,8 @@ pub struct ClusterNode {
     pub name: String,
     pub port: u16,
     cluster_port: u16,
+    /// HTTP monitoring (`/connz`): which clients a node serves.
+    monitor_port: u16,
     store: tempfile::TempDir,
     child: Option<Child>,
 }
@@ -28,6 +30,7 @@ impl NatsCluster {
                 name: format!("node-{i}"),
                 port: free_port(),
                 cluster_port: free_port(),
+                monitor_port: free_port(),
                 store: tempfile::tempdir().unwrap(),
                 child: None,
             })
@@ -54,6 +57,7 @@ impl NatsCluster {
         let node = &mut self.nodes[i];
         let child = Command::new(nats_server_binary())
             .args(["-js", "-a", "127.0.0.1", "-p", &node.port.to_string(), "-n", &node.name])
+            .args(["-m", &node.monitor_port.to_string()])
             .args(["--cluster_name", "keygate-test"])
             .args(["--cluster", &format!("nats://127.0.0.1:{}", node.cluster_port)])
             .args(["--routes", &routes.join(",")])
@@ -108,6 +112,20 @@ impl NatsCluster {
     /// The URL of one node.
     pub fn url(&self, i: usize) -> String {
         format!("nats://127.0.0.1:{}", self.nodes[i].port)
+    }
+
+    /// The running node a client connected under `name` is on, if any.
+    pub async fn node_serving(&self, name: &str) -> Option<usize> {
+        for (i, node) in self.nodes.iter().enumerate().filter(|(_, n)| n.child.is_some()) {
+            let url = format!("http://127.0.0.1:{}/connz?limit=1024", node.monitor_port);
+            let Ok(answer) = reqwest::get(&url).await else { continue };
+            let Ok(connz) = answer.json::<serde_json::Value>().await else { continue };
+            let connections = connz["connections"].as_array().cloned().unwrap_or_default();
+            if connections.iter().any(|c| c["name"] == name) {
+                return Some(i);
+            }
+        }
+        None
     }
 
     pub fn index_of(&self, name: &str) -> usize {

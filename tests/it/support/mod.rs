@@ -6,6 +6,7 @@
 pub mod browser;
 pub mod cluster;
 pub mod process;
+pub mod proxy;
 pub mod receiver;
 pub mod ws;
 
@@ -125,20 +126,32 @@ impl TestApp {
     pub async fn start_with(adjust: impl FnOnce(&mut Settings)) -> Self {
         let nats_server = NatsServer::start();
         let url = nats_server.url();
-        Self::start_inner(Some(nats_server), url, adjust).await
+        Self::start_inner(Some(nats_server), url.clone(), url, adjust).await
     }
 
     /// Another keygate on an existing server.
     pub async fn start_on(url: String) -> Self {
-        Self::start_inner(None, url, |_| {}).await
+        Self::start_inner(None, url.clone(), url, |_| {}).await
     }
 
-    async fn start_inner(nats_server: Option<NatsServer>, url: String, adjust: impl FnOnce(&mut Settings)) -> Self {
+    /// keygate reaching `server` through `keygate_url` (a proxy); the test's
+    /// own client connects directly.
+    pub async fn start_through(server: NatsServer, keygate_url: String) -> Self {
+        let url = server.url();
+        Self::start_inner(Some(server), keygate_url, url, |_| {}).await
+    }
+
+    async fn start_inner(
+        nats_server: Option<NatsServer>,
+        keygate_url: String,
+        url: String,
+        adjust: impl FnOnce(&mut Settings),
+    ) -> Self {
         // KEYGATE_TEST_LOG=keygate=debug shows keygate's logs for a failing test.
         if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_env("KEYGATE_TEST_LOG") {
             let _ = tracing_subscriber::fmt().with_env_filter(filter).with_test_writer().try_init();
         }
-        let mut settings = Settings::for_nats_url(url.clone());
+        let mut settings = Settings::for_nats_url(keygate_url);
         adjust(&mut settings);
         let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
