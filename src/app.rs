@@ -40,6 +40,8 @@ pub struct AppState {
     pub instances: Option<Arc<InstanceContext>>,
     /// WebSocket member connections, awaited at shutdown.
     pub connections: tokio_util::task::TaskTracker,
+    /// WebSocket connections open per member or subscriber, capped.
+    pub sockets_per_member: crate::http::ws::SocketCounts,
     /// Verifies bearer tokens; `None` runs the API open.
     pub verifier: Option<Arc<Verifier>>,
     /// Cancelled when keygate shuts down (ends long-lived responses).
@@ -67,6 +69,7 @@ impl AppState {
             verifier: verifier.map(Arc::new),
             instances: None,
             connections: tokio_util::task::TaskTracker::new(),
+            sockets_per_member: Default::default(),
             nats,
             js,
             shutdown,
@@ -101,7 +104,8 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
         NatsTarget::Embedded { binary, store_dir, port } => {
             let server = EmbeddedServer::start(binary, store_dir, *port, server_token.clone()).await?;
             let url = server.url().to_owned();
-            (Some(server), url, Default::default())
+            let auth = crate::config::NatsAuth { token: Some(server.token().to_owned()), ..Default::default() };
+            (Some(server), url, auth)
         }
     };
     // The server's connection list (connz) then tells replicas apart.
@@ -163,16 +167,15 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
     });
     let connections = state.connections.clone();
     let grace = state.settings.delivery_grace;
+    let limits = crate::http::serve::ConnectionLimits {
+        header_read_timeout: state.settings.header_read_timeout,
+        max_connections: state.settings.max_connections,
+    };
     let app = crate::http::router(state);
     tracing::info!(%address, "keygate listening");
-    // Small frames and responses go out at once (WebSocket acks, single
-    // publishes) instead of waiting on Nagle's algorithm.
-    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    let server = axum::serve(listener, app).with_graceful_shutdown(shutdown.clone().cancelled_owned());
+    let server = crate::http::serve::serve(listener, app, limits, shutdown.clone());
     tokio::select! {
-        served = server.into_future() => served.context("serving HTTP")?,
+        () = server => {}
         () = async {
             shutdown.cancelled().await;
             tokio::time::sleep(SHUTDOWN_GRACE).await;

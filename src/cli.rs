@@ -195,17 +195,24 @@ pub enum AdminCommand {
 
 /// Runs an admin command, printing its result to standard output.
 pub async fn run(args: &AdminArgs, command: AdminCommand) -> anyhow::Result<()> {
+    let embedded =
+        |file: &str| std::fs::read_to_string(args.data_dir.join("nats").join(file)).ok().map(|u| u.trim().to_owned());
+    // Without a URL the commands talk to `keygate serve`'s embedded server,
+    // with the token it wrote for its owner.
+    let token = match &args.nats_url {
+        Some(_) => args.nats_token.clone(),
+        None => args.nats_token.clone().or_else(|| embedded(crate::nats::embedded::TOKEN_FILE)),
+    };
     let auth = NatsAuth {
-        token: args.nats_token.clone(),
+        token,
         user: args.nats_user.clone(),
         password: args.nats_password.clone(),
         creds_file: args.nats_creds.clone(),
     };
-    let url = args.nats_url.clone().unwrap_or_else(|| {
-        std::fs::read_to_string(args.data_dir.join("nats").join(crate::nats::embedded::URL_FILE))
-            .map(|u| u.trim().to_owned())
-            .unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned())
-    });
+    let url = args
+        .nats_url
+        .clone()
+        .unwrap_or_else(|| embedded(crate::nats::embedded::URL_FILE).unwrap_or_else(|| "nats://127.0.0.1:4222".into()));
     let nats = tokio::time::timeout(Duration::from_secs(10), connect_once(&url, &auth))
         .await
         .with_context(|| format!("timed out connecting to NATS at {url}"))??;

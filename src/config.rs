@@ -51,6 +51,12 @@ pub struct Settings {
     pub max_batch_messages: usize,
     /// Largest request body accepted, in bytes.
     pub max_body_bytes: usize,
+    /// Longest time a client may take to send a request's headers.
+    pub header_read_timeout: Duration,
+    /// Longest time a request (other than a WebSocket or the event stream) may run.
+    pub request_timeout: Duration,
+    /// Most HTTP connections open at once.
+    pub max_connections: usize,
     /// Where webhooks may be delivered.
     pub destinations: crate::delivery::destination::DestinationPolicy,
     /// Most messages held behind one partition's head before intake slows.
@@ -70,6 +76,8 @@ pub struct Settings {
     pub backlog_sample_interval: Option<Duration>,
     /// Browser origins allowed to open WebSocket members (besides keygate's own origin; `*`: any).
     pub ws_allowed_origins: Vec<String>,
+    /// Most WebSocket connections open at once for one member (or subscriber) on this keygate.
+    pub ws_max_connections_per_member: usize,
     /// How often WebSocket members are pinged; two intervals without a word close the connection.
     pub ws_ping_interval: Duration,
     /// Replicas of keygate's own KV buckets and dead-letter stream (`None`:
@@ -86,6 +94,9 @@ impl Settings {
             nats_timeout: Duration::from_secs(5),
             max_batch_messages: 1000,
             max_body_bytes: 16 * 1024 * 1024,
+            header_read_timeout: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(30),
+            max_connections: 4096,
             destinations: Default::default(),
             hold_cap: 256,
             delivery_grace: Duration::from_secs(10),
@@ -96,6 +107,7 @@ impl Settings {
             backlog_sample_interval: Some(Duration::from_secs(15)),
             ws_allowed_origins: Vec::new(),
             ws_ping_interval: Duration::from_secs(15),
+            ws_max_connections_per_member: 16,
             state_replicas: None,
         }
     }

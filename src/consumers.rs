@@ -353,6 +353,19 @@ impl Consumers {
         Ok(view(&info))
     }
 
+    /// A plain consumer to subscribe to: a partitioned group member's
+    /// consumer is refused (409), since a plain subscriber on it would take
+    /// the member's pin and deliver without key order.
+    pub async fn subscribable(&self, stream: &StreamName, name: &ConsumerName) -> Result<ConsumerView, ApiError> {
+        let info = self.info(stream, name).await?.ok_or_else(|| not_found(stream, name))?;
+        if info.config.priority_groups.iter().any(|g| g == PRIORITY_GROUP) {
+            return Err(ApiError::Conflict(format!(
+                "consumer {name} belongs to a partitioned consumer group member; join the group as that member instead"
+            )));
+        }
+        Ok(view(&info))
+    }
+
     pub async fn delete(&self, stream: &StreamName, name: &ConsumerName) -> Result<(), ApiError> {
         let info = self.info(stream, name).await?.ok_or_else(|| not_found(stream, name))?;
         if info.config.priority_groups.iter().any(|g| g == PRIORITY_GROUP) {

@@ -21,7 +21,7 @@ pub struct Problem {
 }
 
 /// Every error an API handler can answer with.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum ApiError {
     /// 400: malformed or invalid input.
     #[error("{0}")]
@@ -54,6 +54,9 @@ pub enum ApiError {
     /// 413: the payload is larger than the server accepts.
     #[error("{0}")]
     PayloadTooLarge(String),
+    /// 429: the caller holds as many of a bounded resource as it may.
+    #[error("{0}")]
+    TooMany(String),
     /// 415: the request body is not JSON.
     #[error("{0}")]
     UnsupportedMediaType(String),
@@ -69,6 +72,32 @@ pub enum ApiError {
 }
 
 impl ApiError {
+    /// The answer for a batch item not sent because item `first`, of the
+    /// same subject (key), failed before it: the same status, saying why.
+    pub fn refusing_after(&self, first: usize) -> ApiError {
+        let detail = format!("not sent: item {first} of this batch, of the same key, failed first ({self})");
+        match self {
+            Self::BadRequest(_) => Self::BadRequest(detail),
+            Self::PayloadTooLarge(_) => Self::PayloadTooLarge(detail),
+            Self::Unprocessable(_) => Self::Unprocessable(detail),
+            Self::Conflict(_) => Self::Conflict(detail),
+            Self::Reserved(_) => Self::Reserved(detail),
+            _ => Self::Unavailable(detail),
+        }
+    }
+
+    /// The answer for an atomic batch whose item `index` is refused: the
+    /// whole batch is, with that item's status.
+    pub fn refusing_in_atomic_batch(&self, index: usize) -> ApiError {
+        let detail = format!("atomic batch refused, nothing stored: item {index}: {self}");
+        match self {
+            Self::PayloadTooLarge(_) => Self::PayloadTooLarge(detail),
+            Self::Reserved(_) => Self::Reserved(detail),
+            Self::Unavailable(_) => Self::Unavailable(detail),
+            _ => Self::BadRequest(detail),
+        }
+    }
+
     /// The status this error answers with.
     pub fn status(&self) -> StatusCode {
         match self {
@@ -80,6 +109,7 @@ impl ApiError {
             Self::Conflict(_) => StatusCode::CONFLICT,
             Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Self::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Self::TooMany(_) => StatusCode::TOO_MANY_REQUESTS,
             Self::Unprocessable(_) => StatusCode::UNPROCESSABLE_ENTITY,
             Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -98,6 +128,7 @@ impl ApiError {
             Self::Conflict(_) => "conflict",
             Self::PayloadTooLarge(_) => "payload-too-large",
             Self::UnsupportedMediaType(_) => "unsupported-media-type",
+            Self::TooMany(_) => "too-many",
             Self::Unprocessable(_) => "unprocessable",
             Self::Unavailable(_) => "unavailable",
             Self::Internal(_) => "internal",

@@ -11,7 +11,7 @@ use utoipa::ToSchema;
 /// Subject prefix of events.
 pub const SUBJECT_PREFIX: &str = "keygate.events";
 
-/// Event types (DESIGN.md, "Events").
+/// Event types (docs/design.md, "Events").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub enum EventType {
     #[serde(rename = "member.pinned")]

@@ -118,6 +118,15 @@ struct ServeArgs {
     /// Largest request body, in bytes.
     #[arg(long, env = "KEYGATE_MAX_BODY_BYTES", default_value_t = 16 * 1024 * 1024)]
     max_body_bytes: usize,
+    /// Longest time a client may take to send a request's headers, in milliseconds.
+    #[arg(long, env = "KEYGATE_HEADER_READ_TIMEOUT_MS", default_value_t = 10_000)]
+    header_read_timeout_ms: u64,
+    /// Longest time a request may run (WebSockets and the event stream excepted), in milliseconds.
+    #[arg(long, env = "KEYGATE_REQUEST_TIMEOUT_MS", default_value_t = 30_000)]
+    request_timeout_ms: u64,
+    /// Most HTTP connections open at once (further clients wait to be accepted).
+    #[arg(long, env = "KEYGATE_MAX_CONNECTIONS", default_value_t = 4096)]
+    max_connections: usize,
     /// Hosts webhooks may always be delivered to (comma-separated names or IPs).
     #[arg(long, env = "KEYGATE_WEBHOOK_ALLOWED_HOSTS", value_delimiter = ',')]
     webhook_allowed_hosts: Vec<String>,
@@ -163,6 +172,9 @@ struct ServeArgs {
     /// Browser origins allowed to open WebSocket members, comma-separated (keygate's own origin always is; `*`: any).
     #[arg(long, env = "KEYGATE_WS_ALLOWED_ORIGINS", value_delimiter = ',')]
     ws_allowed_origins: Vec<String>,
+    /// Most WebSocket connections one member (or subscriber) may have open on this keygate.
+    #[arg(long, env = "KEYGATE_WS_MAX_CONNECTIONS_PER_MEMBER", default_value_t = 16)]
+    ws_max_connections_per_member: usize,
     /// Seconds between pings to WebSocket members; two without an answer close the connection.
     #[arg(long, env = "KEYGATE_WS_PING_SECS", default_value_t = 15)]
     ws_ping_secs: u64,
@@ -198,6 +210,9 @@ impl ServeArgs {
             nats_timeout: Duration::from_millis(self.nats_timeout_ms.max(1)),
             max_batch_messages: usize::from(self.max_batch_messages),
             max_body_bytes: self.max_body_bytes,
+            header_read_timeout: Duration::from_millis(self.header_read_timeout_ms.max(1)),
+            request_timeout: Duration::from_millis(self.request_timeout_ms.max(1)),
+            max_connections: self.max_connections.max(1),
             destinations: keygate::delivery::destination::DestinationPolicy {
                 allowed_hosts: self.webhook_allowed_hosts.clone(),
                 allow_private: self.webhook_allow_private,
@@ -218,6 +233,7 @@ impl ServeArgs {
             admin_listen: self.admin_listen,
             ws_allowed_origins: self.ws_allowed_origins.clone(),
             ws_ping_interval: Duration::from_secs(self.ws_ping_secs.max(1)),
+            ws_max_connections_per_member: self.ws_max_connections_per_member.max(1),
             state_replicas: self.state_replicas.map(usize::from),
             backlog_sample_interval: (self.backlog_sample_secs > 0)
                 .then(|| Duration::from_secs(self.backlog_sample_secs)),
@@ -250,7 +266,7 @@ async fn healthcheck(listen: SocketAddr) -> anyhow::Result<()> {
     let mut stream = tokio::time::timeout(Duration::from_secs(3), tokio::net::TcpStream::connect(addr))
         .await
         .context("timed out connecting")??;
-    stream.write_all(b"GET /healthz HTTP/1.0\r\nHost: keygate\r\n\r\n").await?;
+    stream.write_all(b"GET /healthz HTTP/1.0\r\nHost: localhost\r\n\r\n").await?;
     let mut reply = Vec::new();
     tokio::time::timeout(Duration::from_secs(3), stream.read_to_end(&mut reply))
         .await

@@ -243,7 +243,7 @@ impl SubjectPattern {
 /// streams use pcgroups' spelling.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TransformSpelling {
-    /// `{{partition(N,1)}}.orders.{{wildcard(1)}}`, as DESIGN.md writes it.
+    /// `{{partition(N,1)}}.orders.{{wildcard(1)}}`, as docs/design.md writes it.
     Stream,
     /// `{{Partition(N,1)}}.orders.{{Wildcard(1)}}`, as pcgroups writes it.
     Pcgroups,

@@ -2,7 +2,7 @@
 //! is published to JetStream, and is answered after the JetStream ack with
 //! the partition the server stamped.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -40,9 +40,10 @@ pub struct PublishRequest {
     /// the stream's subject.
     #[serde(default)]
     pub subject: Option<String>,
-    /// The payload as JSON (stored byte for byte as sent).
+    /// The payload as JSON, any value: object, array, string, number,
+    /// boolean or null (stored byte for byte as sent).
     #[serde(default)]
-    #[schema(value_type = Option<Object>)]
+    #[schema(value_type = Option<serde_json::Value>)]
     pub data: Option<Box<RawValue>>,
     /// Or the payload as base64 bytes.
     #[serde(default)]
@@ -51,9 +52,10 @@ pub struct PublishRequest {
     /// for `data`).
     #[serde(default)]
     pub content_type: Option<String>,
-    /// Message headers. Names starting with `Nats-` are reserved.
+    /// Message headers: a string or an array of strings per name. Names and
+    /// values follow HTTP's rules; names starting with `Nats-` or `KV-` are
+    /// reserved.
     #[serde(default)]
-    #[schema(value_type = Option<BTreeMap<String, Object>>)]
     pub headers: Option<BTreeMap<String, HeaderValues>>,
     /// De-duplication id (`Nats-Msg-Id`): a repeat within the stream's
     /// duplicate window is stored once and answered with `duplicate: true`.
@@ -78,6 +80,11 @@ pub enum Spread {
 #[serde(deny_unknown_fields)]
 pub struct BatchRequest {
     pub messages: Vec<PublishRequest>,
+    /// All or nothing: every message is stored, or none is (JetStream's
+    /// atomic batch publish; the stream needs `allow_atomic`, at most 1000
+    /// messages). Then the answer is one problem, or one ack per message.
+    #[serde(default)]
+    pub atomic: bool,
 }
 
 /// Where a message was stored.
@@ -115,9 +122,18 @@ pub struct Prepared {
     pub subject: String,
     pub partition: Option<u32>,
     pub key: Option<String>,
-    publish: PublishMessage,
+    /// The message's headers with keygate's own (`Nats-Expected-Stream`,
+    /// `Nats-Msg-Id`).
+    headers: HeaderMap,
+    payload: Bytes,
     /// Carries a msg_id: sending it again cannot store it twice.
     idempotent: bool,
+}
+
+impl Prepared {
+    fn publish(&self) -> PublishMessage {
+        PublishMessage::build().headers(self.headers.clone()).payload(self.payload.clone())
+    }
 }
 
 /// Header prefixes the server acts on (`Nats-Msg-Id`, `Nats-Expected-*`,
@@ -272,11 +288,11 @@ pub fn prepare(
     // The user's headers first (keeping repeated values), then keygate's own;
     // Nats-Expected-Stream makes the server refuse a subject that another
     // stream captures (the stream may have changed since its shape was read).
-    let mut publish = PublishMessage::build().headers(headers).expected_stream(&shape.name);
+    headers.insert(async_nats::header::NATS_EXPECTED_STREAM, shape.name.as_str());
     if let Some(id) = msg_id {
-        publish = publish.message_id(id);
+        headers.insert(async_nats::header::NATS_MESSAGE_ID, id);
     }
-    Ok(Prepared { subject, partition, key, publish: publish.payload(payload), idempotent: msg_id.is_some() })
+    Ok(Prepared { subject, partition, key, headers, payload, idempotent: msg_id.is_some() })
 }
 
 /// The subject a message goes to and the key it carries.
@@ -379,59 +395,240 @@ fn keyless_subject(shape: &StreamShape, template: &SubjectPattern, random: bool)
 /// run at once.
 const ACK_WINDOW: usize = 1024;
 
-/// Publishes prepared messages in order with many acks in flight, and
-/// answers in order; one failure does not fail the others.
+/// Per subject (one key), what a batch has sent and how it went.
+#[derive(Default)]
+struct KeyProgress {
+    /// An item of this subject is sent and not yet answered.
+    awaiting: bool,
+    /// The first item of this subject that failed, and why.
+    failed: Option<(usize, ApiError)>,
+}
+
+/// What the sender does with a message, given its key's progress.
+enum Turn {
+    Send,
+    Wait,
+    Refused(ApiError),
+}
+
+/// Publishes prepared messages in request order with many acks in flight,
+/// and answers in order; one failure does not fail the others. Two
+/// messages of one subject (one key) are never in flight at once: the
+/// later one is sent once the earlier is stored, so their stored order is
+/// their request order even when the earlier must be sent again during a
+/// leader election; after one fails, the later ones of its subject are not
+/// sent and answer the same error. An item refused before sending (invalid
+/// input, whose subject may not even be known) holds nothing back.
 pub async fn publish_all(
     js: &jetstream::Context,
     shape: &StreamShape,
     prepared: Vec<Result<Prepared, ApiError>>,
 ) -> Vec<Result<PublishAck, ApiError>> {
     type Sent = Result<(Prepared, jetstream::context::PublishAckFuture), ApiError>;
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<Sent>(ACK_WINDOW);
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<(usize, Sent)>(ACK_WINDOW);
     let total = prepared.len();
-    let sender = async move {
-        for item in prepared {
+    let keys: std::sync::Mutex<HashMap<String, KeyProgress>> = Default::default();
+    let answered = tokio::sync::Notify::new();
+    let lock = || keys.lock().unwrap_or_else(|p| p.into_inner());
+    let sender = async {
+        // Owned here: the collector ends when the sender is done.
+        let tx = tx;
+        for (index, item) in prepared.into_iter().enumerate() {
             let sent = match item {
-                Ok(p) => match js.send_publish(p.subject.clone(), p.publish.clone()).await {
-                    Ok(ack) => Ok((p, ack)),
-                    Err(e) => Err(publish_error(e)),
+                Ok(p) => loop {
+                    let notified = answered.notified();
+                    tokio::pin!(notified);
+                    notified.as_mut().enable();
+                    let turn = {
+                        let mut keys = lock();
+                        let key = keys.entry(p.subject.clone()).or_default();
+                        match &key.failed {
+                            Some((first, error)) => Turn::Refused(error.refusing_after(*first)),
+                            None if key.awaiting => Turn::Wait,
+                            None => {
+                                key.awaiting = true;
+                                Turn::Send
+                            }
+                        }
+                    };
+                    match turn {
+                        Turn::Refused(refused) => break Err(refused),
+                        // The earlier message of this key is still in flight.
+                        Turn::Wait => notified.await,
+                        Turn::Send => {
+                            break match js.send_publish(p.subject.clone(), p.publish()).await {
+                                Ok(ack) => Ok((p, ack)),
+                                Err(e) => {
+                                    // Not sent: the key's later messages answer this too.
+                                    let error = publish_error(e);
+                                    let mut keys = lock();
+                                    let key = keys.entry(p.subject.clone()).or_default();
+                                    key.awaiting = false;
+                                    key.failed = Some((index, error.clone()));
+                                    Err(error)
+                                }
+                            };
+                        }
+                    }
                 },
                 Err(e) => Err(e),
             };
-            if tx.send(sent).await.is_err() {
+            if tx.send((index, sent)).await.is_err() {
                 break;
             }
         }
     };
     let collector = async {
-        let mut resend_until = None;
+        let resend_until = std::sync::Mutex::new(None);
         let mut results = Vec::with_capacity(total);
-        while let Some(sent) = rx.recv().await {
-            let result = match sent {
-                Ok((prepared, ack)) => match acknowledged(js, &prepared, ack, &mut resend_until).await {
-                    Ok(ack) if ack.stream != shape.name => Err(ApiError::Internal(format!(
-                        "message stored in stream {} instead of {}",
-                        ack.stream, shape.name
-                    ))),
-                    Ok(ack) if ack.duplicate => Ok(stored_ack(js, shape, ack.sequence).await),
-                    Ok(ack) => Ok(PublishAck {
-                        stream: ack.stream,
-                        seq: ack.sequence,
-                        subject: prepared.subject,
-                        partition: prepared.partition,
-                        key: prepared.key,
-                        duplicate: false,
-                    }),
-                    Err(e) => Err(publish_error(e)),
-                },
-                Err(e) => Err(e),
+        while let Some((index, sent)) = rx.recv().await {
+            let (subject, result) = match sent {
+                Ok((prepared, ack)) => {
+                    let subject = prepared.subject.clone();
+                    let result = match acknowledged(js, &prepared, ack, &resend_until).await {
+                        Ok(ack) if ack.stream != shape.name => Err(ApiError::Internal(format!(
+                            "message stored in stream {} instead of {}",
+                            ack.stream, shape.name
+                        ))),
+                        Ok(ack) if ack.duplicate => Ok(stored_ack(js, shape, ack.sequence).await),
+                        Ok(ack) => Ok(PublishAck {
+                            stream: ack.stream,
+                            seq: ack.sequence,
+                            subject: prepared.subject,
+                            partition: prepared.partition,
+                            key: prepared.key,
+                            duplicate: false,
+                        }),
+                        Err(e) => Err(publish_error(e)),
+                    };
+                    (Some(subject), result)
+                }
+                Err(e) => (None, Err(e)),
             };
+            if let Some(subject) = subject {
+                let mut keys = lock();
+                let key = keys.entry(subject).or_default();
+                key.awaiting = false;
+                if let (Err(e), None) = (&result, &key.failed) {
+                    key.failed = Some((index, e.clone()));
+                }
+                drop(keys);
+                answered.notify_waiters();
+            }
             results.push(result);
         }
         results
     };
     let ((), results) = tokio::join!(sender, collector);
     results
+}
+
+/// Most messages in one atomic batch (the server's limit).
+pub const MAX_ATOMIC_MESSAGES: usize = 1000;
+
+/// The server's answer to a message of an atomic batch: empty while the
+/// batch goes on, a publish ack (or an error) for the commit.
+#[derive(Deserialize)]
+struct AtomicAnswer {
+    #[serde(default)]
+    seq: u64,
+    #[serde(default)]
+    count: Option<u64>,
+    #[serde(default)]
+    error: Option<AtomicError>,
+}
+
+#[derive(Deserialize)]
+struct AtomicError {
+    #[serde(default)]
+    err_code: u64,
+    #[serde(default)]
+    description: String,
+}
+
+/// Publishes every message or none, with JetStream's atomic batch publish
+/// (`Nats-Batch-Id`, `Nats-Batch-Sequence`, `Nats-Batch-Commit`): the first
+/// message and the commit are requests; the server stores the batch at the
+/// commit, in request order, or nothing.
+pub async fn publish_atomic(
+    nats: &async_nats::Client,
+    shape: &StreamShape,
+    prepared: Vec<Prepared>,
+) -> Result<Vec<PublishAck>, ApiError> {
+    use async_nats::header::{NATS_BATCH_COMMIT, NATS_BATCH_ID, NATS_BATCH_SEQUENCE};
+    if prepared.len() > MAX_ATOMIC_MESSAGES {
+        return Err(ApiError::PayloadTooLarge(format!(
+            "an atomic batch holds at most {MAX_ATOMIC_MESSAGES} messages, not {}",
+            prepared.len()
+        )));
+    }
+    let batch_id = nats.new_inbox().rsplit('.').next().unwrap_or("batch").to_owned();
+    let last = prepared.len();
+    let mut commit = None;
+    for (i, message) in prepared.iter().enumerate() {
+        let mut headers = message.headers.clone();
+        headers.insert(NATS_BATCH_ID, batch_id.as_str());
+        headers.insert(NATS_BATCH_SEQUENCE, (i + 1).to_string().as_str());
+        let subject = message.subject.clone();
+        let payload = message.payload.clone();
+        let request = if i + 1 == last {
+            headers.insert(NATS_BATCH_COMMIT, "1");
+            true
+        } else {
+            i == 0
+        };
+        if !request {
+            nats.publish_with_headers(subject, headers, payload)
+                .await
+                .map_err(|e| unavailable_or_internal("publishing an atomic batch", e))?;
+            continue;
+        }
+        let answer = nats
+            .request_with_headers(subject, headers, payload)
+            .await
+            .map_err(|e| unavailable_or_internal("publishing an atomic batch", e))?;
+        if answer.payload.is_empty() {
+            continue;
+        }
+        let answer: AtomicAnswer = serde_json::from_slice(&answer.payload)
+            .map_err(|e| ApiError::Internal(format!("unreadable atomic batch answer: {e}")))?;
+        if let Some(error) = answer.error {
+            return Err(atomic_refusal(error));
+        }
+        if i + 1 == last {
+            commit = Some(answer);
+        }
+    }
+    let commit = commit.ok_or_else(|| ApiError::Unavailable("the atomic batch was not committed; retry".into()))?;
+    let count = commit.count.unwrap_or(last as u64);
+    if count != last as u64 {
+        return Err(ApiError::Internal(format!("the server committed {count} of {last} messages")));
+    }
+    let first_seq = commit.seq + 1 - count;
+    Ok(prepared
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| PublishAck {
+            stream: shape.name.clone(),
+            seq: first_seq + i as u64,
+            subject: p.subject,
+            partition: p.partition,
+            key: p.key,
+            duplicate: false,
+        })
+        .collect())
+}
+
+/// What the server's refusal of an atomic batch means for the caller.
+fn atomic_refusal(error: AtomicError) -> ApiError {
+    /// Atomic publish is not enabled on the stream.
+    const ATOMIC_DISABLED: u64 = 10174;
+    match error.err_code {
+        ATOMIC_DISABLED => {
+            ApiError::Conflict("the stream does not allow atomic batches: create it with \"allow_atomic\": true".into())
+        }
+        _ => ApiError::BadRequest(format!("the server refused the atomic batch: {}", error.description)),
+    }
 }
 
 /// How long one request keeps publishing again messages the stream did not
@@ -456,7 +653,7 @@ async fn acknowledged(
     js: &jetstream::Context,
     prepared: &Prepared,
     ack: jetstream::context::PublishAckFuture,
-    resend_until: &mut Option<Instant>,
+    resend_until: &std::sync::Mutex<Option<Instant>>,
 ) -> Result<jetstream::publish::PublishAck, jetstream::context::PublishError> {
     use jetstream::context::PublishErrorKind as K;
     let safe_to_resend = |e: &jetstream::context::PublishError| match e.kind() {
@@ -468,13 +665,16 @@ async fn acknowledged(
     for delay in RESEND_BACKOFF {
         match &outcome {
             Err(e) if safe_to_resend(e) => {
-                let until = *resend_until.get_or_insert_with(|| Instant::now() + RESEND_FOR);
+                let until = *resend_until
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get_or_insert_with(|| Instant::now() + RESEND_FOR);
                 if Instant::now() + delay > until {
                     break;
                 }
                 tracing::debug!(error = %e, subject = %prepared.subject, "publishing again");
                 tokio::time::sleep(delay).await;
-                outcome = match js.send_publish(prepared.subject.clone(), prepared.publish.clone()).await {
+                outcome = match js.send_publish(prepared.subject.clone(), prepared.publish()).await {
                     Ok(ack) => ack.await,
                     Err(e) => Err(e),
                 };

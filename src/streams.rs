@@ -64,6 +64,9 @@ pub struct StreamSpec {
     /// Window in which a repeated `msg_id` is reported as a duplicate (default 2 minutes).
     #[serde(default)]
     pub duplicate_window_ms: Option<u64>,
+    /// Accept atomic batches (`"atomic": true` on a batch publish; nats-server 2.12 or later).
+    #[serde(default)]
+    pub allow_atomic: Option<bool>,
     /// Free text.
     #[serde(default)]
     pub description: Option<String>,
@@ -88,6 +91,8 @@ pub struct StreamView {
     pub max_bytes: i64,
     pub duplicate_window_ms: u64,
     pub description: Option<String>,
+    /// Accepts atomic batches.
+    pub allow_atomic: bool,
     /// Messages stored now.
     pub messages: u64,
     pub bytes: u64,
@@ -183,6 +188,7 @@ impl StreamSpec {
             duplicate_window: Duration::from_millis(self.duplicate_window_ms.unwrap_or(0)),
             description: self.description.clone().filter(|d| !d.is_empty()),
             allow_direct: true,
+            allow_atomic_publish: self.allow_atomic.unwrap_or(false),
             ..Default::default()
         }
     }
@@ -233,6 +239,9 @@ impl StreamSpec {
         // 0 asks for the server's default window, whatever it chose.
         if self.duplicate_window_ms.is_some_and(|ms| ms != 0 && Duration::from_millis(ms) != have.duplicate_window) {
             diff.push("duplicate_window_ms".into());
+        }
+        if self.allow_atomic.is_some_and(|a| a != have.allow_atomic_publish) {
+            diff.push("allow_atomic".into());
         }
         let description = self.description.as_deref().filter(|d| !d.is_empty());
         if self.description.is_some() && description != have.description.as_deref().filter(|d| !d.is_empty()) {
@@ -460,6 +469,7 @@ fn view(info: &stream::Info) -> StreamView {
         max_bytes: c.max_bytes,
         duplicate_window_ms: c.duplicate_window.as_millis() as u64,
         description: c.description.clone(),
+        allow_atomic: c.allow_atomic_publish,
         messages: info.state.messages,
         bytes: info.state.bytes,
         first_seq: info.state.first_sequence,

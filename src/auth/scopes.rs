@@ -16,6 +16,10 @@ pub enum Requirement {
     Publish { stream: String },
     /// `consume:<stream>/<group>`; a missing stream or group means "all of them".
     Consume { stream: Option<String>, group: Option<String> },
+    /// `subscribe:<stream>/<consumer>`: a plain consumer's subscriber. A
+    /// separate verb, so a grant for group `billing` never reaches a plain
+    /// consumer that happens to share its name.
+    Subscribe { stream: String, consumer: String },
 }
 
 impl Requirement {
@@ -28,6 +32,7 @@ impl Requirement {
             Self::Consume { stream: None, .. } => Some("consume:*".to_owned()),
             Self::Consume { stream: Some(stream), group: None } => Some(format!("consume:{stream}/*")),
             Self::Consume { stream: Some(stream), group: Some(group) } => Some(format!("consume:{stream}/{group}")),
+            Self::Subscribe { stream, consumer } => Some(format!("subscribe:{stream}/{consumer}")),
         }
     }
 }
@@ -87,6 +92,17 @@ mod tests {
     fn scope_and_scopes_claims_merge() {
         let merged = Scopes::from_claims(Some("publish:a  consume:a/g"), Some(&["keygate:admin".into(), "".into()]));
         assert_eq!(merged.as_slice(), ["consume:a/g", "keygate:admin", "publish:a"]);
+    }
+
+    #[test]
+    fn group_and_plain_consumer_grants_are_distinct() {
+        let group = scopes("consume:S/billing");
+        let plain = Requirement::Subscribe { stream: "S".into(), consumer: "billing".into() };
+        assert!(!group.allows(&plain), "a group grant does not reach a plain consumer of the same name");
+        assert!(!scopes("consume:*").allows(&plain));
+        assert!(scopes("subscribe:S/billing").allows(&plain));
+        assert!(scopes("subscribe:S/*").allows(&plain));
+        assert!(!scopes("subscribe:S/billing").allows(&consume(Some("S"), Some("billing"))));
     }
 
     #[test]

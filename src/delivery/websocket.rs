@@ -1,5 +1,5 @@
 //! A WebSocket connection as a member's endpoint: the frames keygate sends
-//! and reads (DESIGN.md "WebSocket protocol"), and the deliveries waiting
+//! and reads (docs/design.md, "WebSocket protocol"), and the deliveries waiting
 //! for the client's verdict.
 
 use std::collections::{BTreeMap, HashMap};
@@ -54,7 +54,7 @@ pub enum ServerFrame {
     },
 }
 
-/// One message, as DESIGN.md lists its fields.
+/// One message, as docs/design.md lists its fields.
 #[derive(Debug, Serialize)]
 pub struct MessageFrame {
     /// Stable across redeliveries (the webhook-id): `<stream>-<sequence>`.

@@ -33,6 +33,8 @@ pub enum Access {
     ConsumePathGroup,
     /// `consume:{stream}/{group}` from the `stream` and `group` query parameters (events).
     ConsumeQueryGroup,
+    /// `subscribe:{stream}/{consumer}` from the path (a plain consumer's WebSocket subscriber).
+    SubscribePathConsumer,
 }
 
 impl Access {
@@ -43,12 +45,13 @@ impl Access {
             Self::Admin => Some(crate::auth::scopes::ADMIN),
             Self::PublishPathStream => Some("publish:{stream}"),
             Self::ConsumePathGroup | Self::ConsumeQueryGroup => Some("consume:{stream}/{group}"),
+            Self::SubscribePathConsumer => Some("subscribe:{stream}/{consumer}"),
         }
     }
 
     /// Browsers cannot set headers on EventSource or WebSocket requests.
     fn accepts_query_token(self) -> bool {
-        matches!(self, Self::ConsumePathGroup | Self::ConsumeQueryGroup)
+        matches!(self, Self::ConsumePathGroup | Self::ConsumeQueryGroup | Self::SubscribePathConsumer)
     }
 }
 
@@ -61,10 +64,11 @@ pub fn access_for(method: &Method, template: &str) -> Access {
     if template == "/v1/events" {
         return Access::ConsumeQueryGroup;
     }
-    if *method == Method::GET
-        && (template.ends_with("/members/{member}/ws") || template.ends_with("/subscribers/{subscriber}/ws"))
-    {
+    if *method == Method::GET && template.ends_with("/members/{member}/ws") {
         return Access::ConsumePathGroup;
+    }
+    if *method == Method::GET && template.ends_with("/subscribers/{subscriber}/ws") {
+        return Access::SubscribePathConsumer;
     }
     if *method == Method::POST
         && (template == "/v1/streams/{stream}/messages" || template == "/v1/streams/{stream}/messages/batch")
@@ -138,11 +142,16 @@ fn requirement(
             stream: stream(path_param("stream"))?
                 .ok_or_else(|| ApiError::BadRequest("no stream in the path".into()))?,
         },
-        // A consumer's subscribers take the consumer's name where a group's would be.
-        Access::ConsumePathGroup => Requirement::Consume {
-            stream: stream(path_param("stream"))?,
-            group: group(path_param("group").or_else(|| path_param("consumer")))?,
-        },
+        Access::ConsumePathGroup => {
+            Requirement::Consume { stream: stream(path_param("stream"))?, group: group(path_param("group"))? }
+        }
+        Access::SubscribePathConsumer => {
+            let missing = || ApiError::BadRequest("no stream or consumer in the path".into());
+            Requirement::Subscribe {
+                stream: stream(path_param("stream"))?.ok_or_else(missing)?,
+                consumer: group(path_param("consumer"))?.ok_or_else(missing)?,
+            }
+        }
         Access::ConsumeQueryGroup => {
             let stream = stream(query.remove("stream"))?;
             // A group without its stream names nothing narrower than every stream.
@@ -177,7 +186,8 @@ pub fn document_security(doc: &mut OpenApi) {
                 .bearer_format("JWT")
                 .description(Some(
                     "A JWT whose `scope` (space-separated) or `scopes` (array) claim grants: `keygate:admin` \
-                     (everything), `publish:<stream>`, `consume:<stream>/<group>`; a trailing `*` is a wildcard \
+                     (everything), `publish:<stream>`, `consume:<stream>/<group>` (a group's members and events), \
+                     `subscribe:<stream>/<consumer>` (a plain consumer's subscribers); a trailing `*` is a wildcard \
                      (`publish:*`). The events and WebSocket routes also take it as the `access_token` query \
                      parameter, or the WebSocket route as the subprotocol `bearer.<jwt>` offered beside `keygate.v1`. Required only when keygate is configured with verification keys.",
                 ))
@@ -195,9 +205,7 @@ pub fn document_security(doc: &mut OpenApi) {
         for (method, operation) in operations {
             let Some(operation) = operation.as_mut() else { continue };
             let Some(scope) = access_for(&method, path).documented_scope() else { continue };
-            let scope =
-                if path.contains("{consumer}") { scope.replace("{group}", "{consumer}") } else { scope.to_owned() };
-            operation.security = Some(vec![SecurityRequirement::new(BEARER, [scope.as_str()])]);
+            operation.security = Some(vec![SecurityRequirement::new(BEARER, [scope])]);
             for (status, description) in [
                 ("401", "no bearer token, or one that does not verify"),
                 ("403", "the token lacks the scope this operation needs"),

@@ -210,6 +210,7 @@ pub fn pull_options(
         (status = 200, description = "replaced", body = SubscriberView),
         (status = 400, description = "invalid", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "unknown stream or consumer", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "a group member's consumer", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "destination not allowed", body = Problem, content_type = "application/problem+json")
     )
 )]
@@ -218,7 +219,7 @@ pub async fn put_subscriber(
     Path((stream, consumer, subscriber)): Path<(StreamName, ConsumerName, MemberName)>,
     Json(spec): Json<SubscriberSpec>,
 ) -> Result<(StatusCode, Json<SubscriberView>), ApiError> {
-    let current = state.consumers.get(&stream, &consumer).await?;
+    let current = state.consumers.subscribable(&stream, &consumer).await?;
     let options =
         pull_options(current.policy, spec.priority, spec.min_pending, spec.min_ack_pending, spec.concurrency)?;
     let webhook = WebhookSpec {

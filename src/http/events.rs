@@ -55,13 +55,31 @@ pub async fn events(
     );
     let types: Option<Vec<String>> =
         filter.types.map(|t| t.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_owned).collect());
-    let subscription = state
+    let mut subscription = state
         .nats
         .subscribe(subject)
         .await
         .map_err(|e| crate::nats::errors::unavailable_or_internal("subscribing to events", e))?;
-    // Event streams end at shutdown, so they do not hold the HTTP drain.
-    let stream = subscription.take_until(state.shutdown.clone().cancelled_owned()).filter_map(move |message| {
+    // The subscription is drained into a bounded queue at once: a client
+    // that stops reading fills the queue, not keygate's memory (the NATS
+    // client buffers up to 65,536 messages per subscription), and is then
+    // dropped with a last event saying why.
+    let (queue, queued) = tokio::sync::mpsc::channel::<async_nats::Message>(SSE_QUEUE);
+    let lagged = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let marked = lagged.clone();
+    tokio::spawn(async move {
+        while let Some(message) = subscription.next().await {
+            match queue.try_send(message) {
+                Ok(()) => {}
+                Err(tokio::sync::mpsc::error::TrySendError::Full(_)) => {
+                    marked.store(true, std::sync::atomic::Ordering::Relaxed);
+                    break;
+                }
+                Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => break,
+            }
+        }
+    });
+    let events = tokio_stream::wrappers::ReceiverStream::new(queued).filter_map(move |message| {
         let types = types.clone();
         async move {
             let value: serde_json::Value = serde_json::from_slice(&message.payload).ok()?;
@@ -72,5 +90,19 @@ pub async fn events(
             Some(Ok(SseEvent::default().event(kind).data(value.to_string())))
         }
     });
+    let farewell = futures::stream::once(async move {
+        lagged.load(std::sync::atomic::Ordering::Relaxed).then(|| {
+            let detail = format!("the client fell {SSE_QUEUE} events behind; reconnect to continue");
+            Ok(SseEvent::default()
+                .event("stream.lagged")
+                .data(serde_json::json!({"type":"stream.lagged","detail":detail}).to_string()))
+        })
+    })
+    .filter_map(std::future::ready);
+    // Event streams end at shutdown, so they do not hold the HTTP drain.
+    let stream = events.chain(farewell).take_until(state.shutdown.clone().cancelled_owned());
     Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
 }
+
+/// Events queued for one event-stream client before it counts as lagging.
+const SSE_QUEUE: usize = 1024;

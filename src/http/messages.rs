@@ -113,6 +113,26 @@ pub async fn publish_batch(
     }
     let shape = state.streams.shape(&stream).await?;
     let max_payload = state.max_payload();
+    if batch.atomic {
+        let mut prepared = Vec::with_capacity(batch.messages.len());
+        for (i, message) in batch.messages.into_iter().enumerate() {
+            let item =
+                publish::prepare(&shape, message, None, max_payload).map_err(|e| e.refusing_in_atomic_batch(i))?;
+            prepared.push(item);
+        }
+        let started = std::time::Instant::now();
+        let acks = publish::publish_atomic(&state.nats, &shape, prepared).await;
+        let results: Vec<Result<PublishAck, ApiError>> = match acks {
+            Ok(acks) => acks.into_iter().map(Ok).collect(),
+            Err(e) => {
+                record(&stream, &[Err(e.clone())], "atomic", started);
+                return Err(e);
+            }
+        };
+        record(&stream, &results, "atomic", started);
+        let results = results.into_iter().filter_map(Result::ok).map(BatchItem::Ok).collect();
+        return Ok(Json(BatchResponse { results }));
+    }
     let prepared = batch.messages.into_iter().map(|m| publish::prepare(&shape, m, None, max_payload)).collect();
     let started = std::time::Instant::now();
     let results = publish::publish_all(&state.js, &shape, prepared).await;

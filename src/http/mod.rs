@@ -2,12 +2,14 @@
 //! and problem+json answers for anything that does not route.
 
 pub mod auth;
+pub mod browser;
 pub mod consumers;
 pub mod events;
 pub mod extract;
 pub mod groups;
 pub mod health;
 pub mod messages;
+pub mod serve;
 pub mod streams;
 pub mod webhooks;
 pub mod ws;
@@ -73,6 +75,7 @@ pub fn api() -> (Router<AppState>, utoipa::openapi::OpenApi) {
         .split_for_parts();
     auth::document_security(&mut doc);
     document_common_problems(&mut doc);
+    document_name_patterns(&mut doc);
     (router, doc)
 }
 
@@ -113,6 +116,36 @@ fn document_common_problems(doc: &mut utoipa::openapi::OpenApi) {
     }
 }
 
+/// Path names follow `crate::names`' rules; saying so in the document lets
+/// fuzzers and generated clients stay within them.
+fn document_name_patterns(doc: &mut utoipa::openapi::OpenApi) {
+    use utoipa::openapi::path::ParameterIn;
+    use utoipa::openapi::schema::{ObjectBuilder, Type};
+    let max_of = |name: &str| match name {
+        "stream" => Some(128),
+        "group" | "member" | "consumer" | "subscriber" => Some(64),
+        _ => None,
+    };
+    for item in doc.paths.paths.values_mut() {
+        for operation in [&mut item.get, &mut item.put, &mut item.post, &mut item.delete, &mut item.patch] {
+            let Some(operation) = operation.as_mut() else { continue };
+            for parameter in operation.parameters.iter_mut().flatten() {
+                let utoipa::openapi::RefOr::T(parameter) = parameter else { continue };
+                let Some(max) = max_of(&parameter.name).filter(|_| parameter.parameter_in == ParameterIn::Path) else {
+                    continue;
+                };
+                let schema = ObjectBuilder::new()
+                    .schema_type(Type::String)
+                    .pattern(Some(format!("^[A-Za-z0-9_-]{{1,{max}}}$")))
+                    .min_length(Some(1))
+                    .max_length(Some(max))
+                    .build();
+                parameter.schema = Some(schema.into());
+            }
+        }
+    }
+}
+
 /// The OpenAPI document as committed at `openapi/openapi.json`.
 pub fn openapi_json() -> String {
     let (_, doc) = api();
@@ -129,11 +162,15 @@ pub fn router(state: AppState) -> Router {
         .layer(axum::middleware::map_response(docs_problem));
     let separate_admin = state.settings.admin_listen.is_some();
     let docs = docs.route("/demo", axum::routing::get(demo_page)).route("/ui", axum::routing::get(dashboard_page));
-    let mut app = api.route_layer(axum::middleware::from_fn_with_state(state.clone(), auth::authorize)).merge(docs);
+    let mut app = api
+        .route_layer(axum::middleware::from_fn_with_state(state.settings.request_timeout, bounded_in_time))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth::authorize))
+        .merge(docs);
     if !separate_admin {
         app = app.merge(metrics_route());
     }
     app.layer(axum::middleware::from_fn(record_request))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), browser::guard))
         .fallback(|| async { ApiError::NotFound("no such route".into()) })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed("method not allowed on this route".into()) })
         .layer(DefaultBodyLimit::max(body_limit))
@@ -191,6 +228,26 @@ fn metrics_route() -> Router<AppState> {
 fn request_span(request: &axum::http::Request<axum::body::Body>) -> tracing::Span {
     let id = request.headers().get("x-request-id").and_then(|v| v.to_str().ok()).unwrap_or("-");
     tracing::info_span!("request", id, method = %request.method(), uri = %request.uri().path())
+}
+
+/// Ends a request that runs longer than the configured limit with a 503.
+/// Streams are exempt: WebSocket upgrades and the event stream run for as
+/// long as the client stays.
+async fn bounded_in_time(
+    axum::extract::State(limit): axum::extract::State<std::time::Duration>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let streaming = request.headers().contains_key(axum::http::header::UPGRADE)
+        || request.extensions().get::<axum::extract::MatchedPath>().is_some_and(|p| p.as_str() == "/v1/events");
+    if streaming {
+        return next.run(request).await;
+    }
+    match tokio::time::timeout(limit, next.run(request)).await {
+        Ok(response) => response,
+        Err(_) => ApiError::Unavailable(format!("the request took longer than {} ms; retry later", limit.as_millis()))
+            .into_response(),
+    }
 }
 
 /// Counts requests by route template (never the raw path) and status.

@@ -58,7 +58,8 @@ pub struct JoinOptions {
         (status = 101, description = "switching to the WebSocket protocol"),
         (status = 400, description = "not a WebSocket upgrade, or invalid options", body = Problem, content_type = "application/problem+json"),
         (status = 403, description = "the Origin is not allowed", body = Problem, content_type = "application/problem+json"),
-        (status = 404, description = "unknown stream, group or member", body = Problem, content_type = "application/problem+json")
+        (status = 404, description = "unknown stream, group or member", body = Problem, content_type = "application/problem+json"),
+        (status = 429, description = "the member has as many WebSocket connections on this keygate as it may", body = Problem, content_type = "application/problem+json")
     )
 )]
 pub async fn join_member(
@@ -76,14 +77,54 @@ pub async fn join_member(
         return Err(ApiError::NotFound(format!("{member} is not a member of group {group}")));
     }
     let instances = state.instances.clone().ok_or_else(|| ApiError::Unavailable("keygate is starting".into()))?;
+    let limit = state.settings.ws_max_connections_per_member;
+    let slot = state.sockets_per_member.take(format!("member {stream}/{group}/{member}"), limit)?;
     let who = MemberRef { stream, group, member, owner: Default::default() };
     let connections = state.connections.clone();
     let events_of =
         crate::events::subject_filter(Some(who.stream.as_str()), Some(who.group.as_str()), Some(who.member.as_str()));
     Ok(upgrade.on_upgrade(move |socket| {
         let run: Runner = Box::new(move |endpoint, cancel| Box::pin(serve_member(instances, who, endpoint, cancel)));
-        connections.track_future(serve_connection(state, events_of, socket, max_attempts, run))
+        connections.track_future(serve_connection(state, events_of, socket, max_attempts, run, slot))
     }))
+}
+
+/// WebSocket connections open per member or subscriber on this keygate,
+/// so one name cannot take every connection slot (and every instance).
+#[derive(Clone, Default)]
+pub struct SocketCounts(Arc<std::sync::Mutex<std::collections::HashMap<String, usize>>>);
+
+/// One counted connection; uncounted when dropped.
+pub struct SocketSlot {
+    counts: SocketCounts,
+    name: String,
+}
+
+impl SocketCounts {
+    /// A slot for `name`, unless it already has `limit` connections.
+    pub fn take(&self, name: String, limit: usize) -> Result<SocketSlot, ApiError> {
+        let mut counts = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let open = counts.entry(name.clone()).or_default();
+        if *open >= limit {
+            return Err(ApiError::TooMany(format!(
+                "{name} already has {limit} WebSocket connections on this keygate (--ws-max-connections-per-member)"
+            )));
+        }
+        *open += 1;
+        Ok(SocketSlot { counts: self.clone(), name })
+    }
+}
+
+impl Drop for SocketSlot {
+    fn drop(&mut self) {
+        let mut counts = self.counts.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(open) = counts.get_mut(&self.name) {
+            *open -= 1;
+            if *open == 0 {
+                counts.remove(&self.name);
+            }
+        }
+    }
 }
 
 /// Starts the instance a connection serves, given its endpoint.
@@ -123,7 +164,9 @@ pub struct SubscribeOptions {
         (status = 101, description = "switching to the WebSocket protocol"),
         (status = 400, description = "not a WebSocket upgrade, or invalid options", body = Problem, content_type = "application/problem+json"),
         (status = 403, description = "the Origin is not allowed", body = Problem, content_type = "application/problem+json"),
-        (status = 404, description = "unknown stream or consumer", body = Problem, content_type = "application/problem+json")
+        (status = 404, description = "unknown stream or consumer", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "a group member's consumer: join the group instead", body = Problem, content_type = "application/problem+json"),
+        (status = 429, description = "the subscriber has as many WebSocket connections on this keygate as it may", body = Problem, content_type = "application/problem+json")
     )
 )]
 pub async fn join_consumer(
@@ -134,7 +177,7 @@ pub async fn join_consumer(
     upgrade: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> Result<Response, ApiError> {
     let (upgrade, max_attempts) = accept(upgrade, &headers, &state, options.max_attempts)?;
-    let current = state.consumers.get(&stream, &consumer).await?;
+    let current = state.consumers.subscribable(&stream, &consumer).await?;
     let pull = super::consumers::pull_options(
         current.policy,
         options.priority,
@@ -145,12 +188,14 @@ pub async fn join_consumer(
     let instances = state.instances.clone().ok_or_else(|| ApiError::Unavailable("keygate is starting".into()))?;
     let events_of =
         crate::events::subject_filter(Some(stream.as_str()), Some(consumer.as_str()), Some(subscriber.as_str()));
+    let limit = state.settings.ws_max_connections_per_member;
+    let slot = state.sockets_per_member.take(format!("subscriber {stream}/{consumer}/{subscriber}"), limit)?;
     let target = ConsumerTarget { stream, consumer, subscriber };
     let connections = state.connections.clone();
     Ok(upgrade.on_upgrade(move |socket| {
         let run: Runner =
             Box::new(move |endpoint, cancel| Box::pin(serve_consumer(instances, target, endpoint, pull, cancel)));
-        connections.track_future(serve_connection(state, events_of, socket, max_attempts, run))
+        connections.track_future(serve_connection(state, events_of, socket, max_attempts, run, slot))
     }))
 }
 
@@ -189,8 +234,7 @@ fn accept(
 fn check_origin(headers: &HeaderMap, allowed: &[String]) -> Result<(), ApiError> {
     let Some(origin) = headers.get(header::ORIGIN).and_then(|v| v.to_str().ok()) else { return Ok(()) };
     let host = headers.get(header::HOST).and_then(|v| v.to_str().ok()).unwrap_or_default();
-    let same_origin = origin.split_once("://").is_some_and(|(_, authority)| authority.eq_ignore_ascii_case(host));
-    if same_origin || allowed.iter().any(|a| a == "*" || a.eq_ignore_ascii_case(origin)) {
+    if super::browser::origin_allowed(origin, host, allowed) {
         Ok(())
     } else {
         Err(ApiError::OriginNotAllowed(format!(
@@ -201,7 +245,14 @@ fn check_origin(headers: &HeaderMap, allowed: &[String]) -> Result<(), ApiError>
 
 /// Runs one connection: the instance behind it, frames both ways,
 /// liveness, and a Close frame at the end.
-async fn serve_connection(state: AppState, events_of: String, socket: WebSocket, max_attempts: u64, run: Runner) {
+async fn serve_connection(
+    state: AppState,
+    events_of: String,
+    socket: WebSocket,
+    max_attempts: u64,
+    run: Runner,
+    _slot: SocketSlot,
+) {
     let gauge = metrics::gauge!(crate::metrics::WS_CONNECTIONS);
     gauge.increment(1.0);
     let (mut sink, mut incoming) = socket.split();

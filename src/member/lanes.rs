@@ -1,7 +1,7 @@
 //! Partition lanes: which message may go to the endpoint next. Pure state,
 //! no I/O, so the ordering rules are tested exhaustively.
 //!
-//! Rules (DESIGN.md, Guarantee 1):
+//! Rules (docs/guarantees.md, "Per-key order"):
 //! - one message in flight per partition; partitions are independent;
 //! - a lane dispatches in stream-sequence order and never passes a lower
 //!   sequence of its partition that is still outstanding (NAK'd and awaiting

@@ -29,6 +29,13 @@ use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
 const PULL_EXPIRY: Duration = Duration::from_secs(5);
 /// Fewest messages a subscriber takes in at once.
 const MIN_PREFETCH: usize = 64;
+/// Fewest messages a subscriber may hold (in flight and queued) before it
+/// counts as saturated.
+const MIN_HELD: usize = 512;
+/// Pulls kept open at once: the next is waiting at the server before the
+/// current one is filled, so a prioritized or overflow subscriber is never
+/// seen without a pull (the server would serve the next priority then).
+const MAX_OPEN_PULLS: usize = 2;
 
 /// A named subscriber of a consumer (a consumer may have several, each
 /// with its own pull options: a near and a far region, priorities 0 and 5).
@@ -147,9 +154,13 @@ async fn serve_once(
     let inbox = ctx.nats.new_inbox();
     let mut replies = ctx.nats.subscribe(format!("{inbox}.*")).await.map_err(|e| e.to_string())?;
     let concurrency = options.concurrency.max(1);
-    // Messages held at once (in flight + queued): enough that a burst goes
-    // to this subscriber rather than past it to a lower-priority one.
+    // Held messages (in flight + queued, kept alive with progress acks) and
+    // messages asked for stay within `max_held`, so a burst goes to this
+    // subscriber rather than past it to a lower priority; when it holds
+    // that many it is saturated and stops pulling, which is when the next
+    // priority is served. Pulls top up in steps of at least `prefetch`.
     let prefetch = (4 * concurrency).max(MIN_PREFETCH);
+    let max_held = (16 * concurrency).max(MIN_HELD);
     let mut progress = tokio::time::interval((info.config.ack_wait / 3).max(Duration::from_millis(100)));
     let mut deliveries = JoinSet::new();
     // Received, waiting for a delivery slot: keeps a pull open while all
@@ -159,20 +170,26 @@ async fn serve_once(
     let mut pin: Option<String> = None;
     let mut standby = false;
     let mut fencing = 0u64;
-    // The open pull: its inbox, messages still due, and when it expires.
-    let mut outstanding: Option<(String, usize, Instant)> = None;
+    // Open pulls, oldest first: inbox, messages still due, expiry.
+    let mut outstanding: VecDeque<(String, usize, Instant)> = VecDeque::new();
     let mut pulls = 0u64;
     let end = loop {
-        if outstanding.as_ref().is_some_and(|(_, remaining, deadline)| *remaining == 0 || *deadline <= Instant::now()) {
-            outstanding = None;
-        }
+        let now = Instant::now();
+        outstanding.retain(|(_, remaining, deadline)| *remaining > 0 && *deadline > now);
         while deliveries.len() < concurrency {
             let Some(held) = queued.pop_front() else { break };
             let (ctx, who, endpoint) = (ctx.clone(), who.clone(), endpoint.clone());
             deliveries.spawn(async move { deliver(ctx, who, endpoint, held, fencing).await.events });
         }
-        let room = prefetch.saturating_sub(deliveries.len() + queued.len());
-        if outstanding.is_none() && room > 0 {
+        // Ask for all the room there is, so a burst stays with this
+        // subscriber; top up in steps of at least `prefetch`, or whenever no
+        // pull is waiting at all.
+        let mut asked: usize = outstanding.iter().map(|(_, remaining, _)| remaining).sum();
+        while outstanding.len() < MAX_OPEN_PULLS {
+            let room = max_held.saturating_sub(deliveries.len() + queued.len() + asked);
+            if room == 0 || (asked > 0 && room < prefetch) {
+                break;
+            }
             pulls += 1;
             let reply = format!("{inbox}.{pulls}");
             let body = Pull {
@@ -186,11 +203,14 @@ async fn serve_once(
             };
             let payload = serde_json::to_vec(&body).unwrap_or_default();
             let subject = next_subject(target.stream.as_str(), target.consumer.as_str());
-            if ctx.nats.publish_with_reply(subject, reply.clone(), payload.into()).await.is_ok() {
-                outstanding = Some((reply, room, Instant::now() + PULL_EXPIRY + Duration::from_millis(500)));
+            if ctx.nats.publish_with_reply(subject, reply.clone(), payload.into()).await.is_err() {
+                break;
             }
+            outstanding.push_back((reply, room, Instant::now() + PULL_EXPIRY + Duration::from_millis(500)));
+            asked += room;
         }
-        let deadline = outstanding.as_ref().map_or_else(|| Instant::now() + Duration::from_secs(1), |(_, _, d)| *d);
+        let deadline =
+            outstanding.iter().map(|(_, _, d)| *d).min().unwrap_or_else(|| Instant::now() + Duration::from_secs(1));
         tokio::select! {
             () = cancel.cancelled() => break Ok(()),
             done = deliveries.join_next(), if !deliveries.is_empty() => {
@@ -215,9 +235,15 @@ async fn serve_once(
             }
             reply = replies.next() => {
                 let Some(reply) = reply else { break Err("reply subscription closed".to_owned()) };
+                // Status replies come on the pull's own inbox subject.
+                let pull_subject = reply.subject.to_string();
+                let finish = |outstanding: &mut VecDeque<(String, usize, Instant)>| {
+                    outstanding.retain(|(inbox, _, _)| *inbox != pull_subject);
+                };
                 match classify(reply.status, reply.description.as_deref(), reply.headers.as_ref()) {
                     Reply::Message { pin: given } => {
-                        if let Some((_, remaining, _)) = outstanding.as_mut() {
+                        // The server fills pulls oldest first.
+                        if let Some((_, remaining, _)) = outstanding.front_mut() {
                             *remaining = remaining.saturating_sub(1);
                         }
                         if pinned_policy && given.is_some() && given != pin {
@@ -240,7 +266,7 @@ async fn serve_once(
                         queued.push_back(held);
                     }
                     Reply::Done => {
-                        outstanding = None;
+                        finish(&mut outstanding);
                         // A pull that ends empty while another client holds
                         // the pin: this instance is a standby.
                         if pinned_policy && pin.is_none() && !standby {
@@ -254,7 +280,8 @@ async fn serve_once(
                         }
                     }
                     Reply::PinRejected { description } => {
-                        outstanding = None;
+                        // Every open pull carried the rejected id.
+                        outstanding.clear();
                         if pin.take().is_some() {
                             let mut e = who.event(ctx, EventType::MemberUnpinned);
                             e.reason = Some(description);
@@ -264,7 +291,7 @@ async fn serve_once(
                     }
                     Reply::ConsumerDeleted => break Err("consumer deleted".to_owned()),
                     Reply::Conflict { description } | Reply::BadRequest { description } => {
-                        outstanding = None;
+                        finish(&mut outstanding);
                         tracing::debug!(%description, "pull refused");
                         tokio::time::sleep(Duration::from_millis(250)).await;
                     }

@@ -31,11 +31,34 @@ pub enum EmbeddedError {
 /// A running, supervised nats-server.
 pub struct EmbeddedServer {
     url: String,
+    token: String,
     supervisor: tokio::task::JoinHandle<()>,
 }
 
 /// The file in the store directory holding the running embedded server's URL.
 pub const URL_FILE: &str = "url";
+/// The file in the store directory holding the token the embedded server
+/// requires (readable by its owner only): keygate and its admin commands
+/// (`--data-dir`) know it, other local processes do not.
+pub const TOKEN_FILE: &str = "token";
+/// The server's configuration, holding the token (never on the command
+/// line, where every local user could read it).
+const CONFIG_FILE: &str = "server.conf";
+
+/// Writes `contents` to `path` readable and writable by its owner only.
+fn write_private(path: &Path, contents: &str) -> std::io::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let _ = std::fs::remove_file(path);
+    let mut file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
+    file.write_all(contents.as_bytes())
+}
+
+/// A fresh random token for one run of the embedded server.
+fn new_token() -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(rand::random::<[u8; 32]>())
+}
 
 impl EmbeddedServer {
     /// Starts nats-server and returns once it accepts connections; a task keeps
@@ -49,6 +72,9 @@ impl EmbeddedServer {
         let binary = resolve_binary(binary)?;
         std::fs::create_dir_all(store_dir)?;
         let port = if port == 0 { free_port()? } else { port };
+        let token = new_token();
+        write_private(&store_dir.join(CONFIG_FILE), &format!("authorization {{\n  token: \"{token}\"\n}}\n"))?;
+        write_private(&store_dir.join(TOKEN_FILE), &token)?;
         let launch = Launch { binary, store_dir: store_dir.to_path_buf(), port };
         let child = launch.spawn_and_wait().await?;
         let url = format!("nats://127.0.0.1:{port}");
@@ -58,12 +84,17 @@ impl EmbeddedServer {
             tracing::warn!(error = %e, "could not record the embedded server's URL");
         }
         let supervisor = tokio::spawn(supervise(launch, child, shutdown));
-        Ok(Self { url, supervisor })
+        Ok(Self { url, token, supervisor })
     }
 
     /// The URL clients connect to.
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    /// The token the server requires.
+    pub fn token(&self) -> &str {
+        &self.token
     }
 
     /// Waits until the server has been stopped (after shutdown is cancelled).
@@ -81,6 +112,8 @@ struct Launch {
 impl Launch {
     fn spawn(&self) -> Result<Child, EmbeddedError> {
         let mut child = Command::new(&self.binary)
+            .arg("-c")
+            .arg(self.store_dir.join(CONFIG_FILE))
             .arg("-js")
             .args(["-a", "127.0.0.1", "-p", &self.port.to_string()])
             .arg("-sd")

@@ -44,8 +44,18 @@ impl SharedSubscriptions {
         if let Some((prefix, started)) = self.routed.iter().find(|(prefix, _)| subject.starts_with(prefix)) {
             started.get_or_try_init(|| self.route(prefix)).await?;
             let mut subjects = self.lock();
-            let sender = subjects.entry(subject.to_owned()).or_insert_with(|| broadcast::channel(CAPACITY).0);
-            return Ok(sender.subscribe());
+            if let Some(sender) = subjects.get(subject) {
+                return Ok(sender.subscribe());
+            }
+            let (sender, receiver) = broadcast::channel(CAPACITY);
+            subjects.insert(subject.to_owned(), sender.clone());
+            // The entry goes when its last listener does, not when a message
+            // next arrives: a subject used once (a fresh member name) would
+            // otherwise stay for ever.
+            let registry = self.subjects.clone();
+            let subject = subject.to_owned();
+            tokio::spawn(async move { while !forget_when_unheard(&registry, &subject, &sender).await {} });
+            return Ok(receiver);
         }
         let mut subscription = self.nats.subscribe(subject.to_owned()).await?;
         let (sender, receiver) = {
@@ -61,15 +71,14 @@ impl SharedSubscriptions {
         let registry = self.subjects.clone();
         let subject = subject.to_owned();
         tokio::spawn(async move {
-            while let Some(message) = subscription.next().await {
-                if sender.send(Arc::new(detached(message))).is_err() {
-                    // Nobody listens: unsubscribe, unless someone arrived
-                    // between the send and this lock.
-                    let mut subjects = registry.lock().unwrap_or_else(|p| p.into_inner());
-                    if sender.receiver_count() == 0 {
-                        subjects.remove(&subject);
-                        break;
+            loop {
+                tokio::select! {
+                    message = subscription.next() => {
+                        let Some(message) = message else { break };
+                        let _ = sender.send(Arc::new(detached(message)));
                     }
+                    // Nobody listens any more: unsubscribe (dropping it).
+                    forgotten = forget_when_unheard(&registry, &subject, &sender) => if forgotten { break },
                 }
             }
         });
@@ -83,12 +92,10 @@ impl SharedSubscriptions {
         let registry = self.subjects.clone();
         tokio::spawn(async move {
             while let Some(message) = subscription.next().await {
-                let mut subjects = registry.lock().unwrap_or_else(|p| p.into_inner());
+                let subjects = registry.lock().unwrap_or_else(|p| p.into_inner());
                 let subject = message.subject.as_str().to_owned();
                 let Some(sender) = subjects.get(&subject) else { continue };
-                if sender.send(Arc::new(detached(message))).is_err() {
-                    subjects.remove(&subject);
-                }
+                let _ = sender.send(Arc::new(detached(message)));
             }
         });
         Ok(())
@@ -97,6 +104,34 @@ impl SharedSubscriptions {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, broadcast::Sender<Arc<async_nats::Message>>>> {
         self.subjects.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// Subjects with an entry (for tests and leak checks).
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Whether no subject has an entry.
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+}
+
+/// Waits until `sender` has no listeners, then removes its entry; false when
+/// a listener arrived in between (the entry stays, wait again).
+async fn forget_when_unheard(
+    registry: &Registry,
+    subject: &str,
+    sender: &broadcast::Sender<Arc<async_nats::Message>>,
+) -> bool {
+    sender.closed().await;
+    let mut subjects = registry.lock().unwrap_or_else(|p| p.into_inner());
+    if sender.receiver_count() > 0 {
+        return false;
+    }
+    if subjects.get(subject).is_some_and(|s| s.same_channel(sender)) {
+        subjects.remove(subject);
+    }
+    true
 }
 
 /// The message with its own copies of subject, reply and payload. A received

@@ -283,7 +283,7 @@ fn every_v1_operation_in_the_document_names_its_scope_and_its_401_and_403() {
             let expected = match (method.as_str(), path.as_str()) {
                 ("post", p) if p.ends_with("/messages") || p.ends_with("/messages/batch") => "publish:{stream}",
                 (_, "/v1/events") => "consume:{stream}/{group}",
-                ("get", p) if p.ends_with("/subscribers/{subscriber}/ws") => "consume:{stream}/{consumer}",
+                ("get", p) if p.ends_with("/subscribers/{subscriber}/ws") => "subscribe:{stream}/{consumer}",
                 ("get", p) if p.ends_with("/ws") => "consume:{stream}/{group}",
                 _ => "keygate:admin",
             };

@@ -272,7 +272,7 @@ async fn dead_letters(nats_url: &str) -> HashMap<(&'static str, u64), String> {
     found
 }
 
-/// DESIGN.md Guarantee 1 over many requests: when a message arrives, every
+/// Per-key order (docs/guarantees.md) over many requests: when a message arrives, every
 /// earlier message of its key (not dead-lettered) was already answered 2xx.
 fn check_webhook_order(requests: &[Recorded], by_key: &HashMap<String, Vec<u64>>, skipped: &HashSet<u64>) {
     let mut first_ok: HashMap<u64, Instant> = HashMap::new();

@@ -78,17 +78,6 @@ async fn publish_until(
     }
 }
 
-/// The node name of the leader of a stream.
-async fn leader_of(cluster: &NatsCluster, stream: &str) -> String {
-    let client = async_nats::connect(cluster.addrs()).await.unwrap();
-    let js = async_nats::jetstream::new(client);
-    eventually(Duration::from_secs(30), || async {
-        let mut s = js.get_stream(stream).await.ok()?;
-        s.info().await.ok()?.cluster.as_ref()?.leader.clone()
-    })
-    .await
-}
-
 /// What the server says of the streams and the groups' consumers.
 async fn server_view(cluster: &NatsCluster) -> String {
     let Ok(client) = async_nats::connect(cluster.addrs()).await else { return "no connection".into() };
@@ -212,7 +201,7 @@ async fn groups_keep_being_served_while_leader_nodes_are_killed_and_restarted() 
     eventually(Duration::from_secs(30), || async { (receiver.requests().len() > 200).then_some(()) }).await;
 
     // 1. The ORDERS stream leader's node.
-    let leader = leader_of(&cluster, "ORDERS").await;
+    let leader = cluster.leader_of("ORDERS").await;
     let node = cluster.index_of(&leader);
     let killed = Instant::now();
     cluster.kill(node);
@@ -227,7 +216,7 @@ async fn groups_keep_being_served_while_leader_nodes_are_killed_and_restarted() 
 
     // 2. The elastic groups' bucket leader's node, with a membership edit
     //    during the outage: it applies, or fails with a clear 503.
-    let leader = leader_of(&cluster, "KV_elastic-consumer-groups").await;
+    let leader = cluster.leader_of("KV_elastic-consumer-groups").await;
     let node = cluster.index_of(&leader);
     let killed = Instant::now();
     cluster.kill(node);

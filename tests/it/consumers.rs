@@ -225,6 +225,46 @@ async fn prioritized_subscribers_are_served_lowest_priority_first_and_the_next_t
     assert_eq!(info.num_pending, 0, "nothing lost");
 }
 
+/// The "hierarchy of regions" use: while priority 0 keeps up with a
+/// sustained burst, priority 5 gets nothing (its pulls are always behind a
+/// waiting pull of priority 0). Two keygate replicas, as in production.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn priority_five_stays_idle_while_priority_zero_keeps_up_with_a_sustained_burst() {
+    use crate::support::receiver::{Answer, Receiver};
+    let app = TestApp::start().await;
+    let _replica = TestApp::start_on(app.nats_url.clone()).await;
+    setup(&app).await;
+    app.put("/v1/streams/JOBS/consumers/pri", json!({"policy":"prioritized","group":"g"})).await;
+    let near = Receiver::start(|_, _| Answer::ok()).await;
+    let far = Receiver::start(|_, _| Answer::ok()).await;
+    subscribe(&app, "pri", "near", near.url("/n"), json!({"priority": 0})).await;
+    subscribe(&app, "pri", "far", far.url("/f"), json!({"priority": 5})).await;
+    pulling(&app, "pri", 4).await;
+    const BURST: u64 = 300;
+    for round in 0..3 {
+        let jobs: Vec<_> = (0..BURST)
+            .map(|i| {
+                let n = round * BURST + i;
+                app.js.publish(format!("jobs.{n}"), format!("{{\"n\":{n}}}").into())
+            })
+            .collect();
+        for ack in futures::future::join_all(jobs).await {
+            ack.unwrap().await.unwrap();
+        }
+        crate::support::eventually(Duration::from_secs(30), || async {
+            let served = near.requests().iter().filter(|r| r.ok()).count() + far.requests().len();
+            (served as u64 >= (round + 1) * BURST).then_some(())
+        })
+        .await;
+    }
+    crate::support::eventually(Duration::from_secs(30), || async {
+        let served = near.requests().iter().filter(|r| r.ok()).count() + far.requests().len();
+        (served as u64 >= 3 * BURST).then_some(())
+    })
+    .await;
+    assert_eq!(far.requests().len(), 0, "priority 5 was served while priority 0 kept up");
+}
+
 /// Spearman's rank correlation of two orders of the same items.
 fn rank_correlation(order: &[u64]) -> f64 {
     let mut by_value: Vec<(usize, u64)> = order.iter().copied().enumerate().collect();

@@ -10,6 +10,7 @@ mod demo;
 mod errors;
 mod failover;
 mod groups;
+mod hardening;
 mod node_loss;
 mod openapi;
 mod publish;

@@ -392,3 +392,36 @@ async fn header_names_http_cannot_carry_are_refused_at_publish() {
     }
     assert!(app.stream_messages("H").await.is_empty());
 }
+
+#[tokio::test]
+async fn atomic_batches_store_every_message_or_none() {
+    let app = TestApp::start().await;
+    app.create_stream("AT", json!({"subjects":["at.*"],"partitions":4,"allow_atomic":true})).await;
+    let messages: Vec<Value> = (0..10).map(|i| json!({"key": format!("k{}", i % 3), "data": {"i": i}})).collect();
+    let (status, answer) =
+        app.post("/v1/streams/AT/messages/batch", json!({"messages": messages, "atomic": true})).await;
+    assert_eq!(status, 200, "{answer}");
+    let seqs: Vec<u64> = answer["results"].as_array().unwrap().iter().map(|r| r["seq"].as_u64().unwrap()).collect();
+    assert_eq!(seqs, (1..=10).collect::<Vec<_>>(), "stored together, in request order");
+    let stored = app.stream_messages("AT").await;
+    for (i, (_, payload, _)) in stored.iter().enumerate() {
+        assert_eq!(serde_json::from_slice::<Value>(payload).unwrap()["i"], i, "request order");
+    }
+
+    // One bad item: nothing is stored.
+    let mut bad = messages.clone();
+    bad[5] = json!({"key":"k","data":1,"headers":{"Nats-Msg-Id":"x"}});
+    let (status, problem) = app.post("/v1/streams/AT/messages/batch", json!({"messages": bad, "atomic": true})).await;
+    assert_eq!(status, 400, "{problem}");
+    assert!(problem["detail"].as_str().unwrap().contains("item 5"), "{problem}");
+    assert_eq!(app.stream_messages("AT").await.len(), 10);
+
+    // A stream without allow_atomic refuses, and stores nothing.
+    app.create_stream("PLAIN", json!({"subjects":["plain.*"]})).await;
+    let (status, problem) =
+        app.post("/v1/streams/PLAIN/messages/batch", json!({"messages": messages, "atomic": true})).await;
+    assert_eq!(status, 409, "{problem}");
+    assert!(app.stream_messages("PLAIN").await.is_empty());
+    let (_, view) = app.get("/v1/streams/AT").await;
+    assert_eq!(view["allow_atomic"], true);
+}

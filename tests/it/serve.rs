@@ -55,6 +55,16 @@ async fn serve_without_a_url_runs_supervises_and_stops_its_own_nats_server() {
         .unwrap();
     assert!(listing.status.success(), "{}", String::from_utf8_lossy(&listing.stderr));
     assert!(String::from_utf8_lossy(&listing.stdout).contains("ORDERS"));
+    // Any other local process is refused: the embedded server takes only
+    // the token keygate wrote for its owner.
+    let url = std::fs::read_to_string(store.join("url")).unwrap();
+    let refused = tokio::time::timeout(Duration::from_secs(3), async_nats::connect(url.trim())).await;
+    assert!(!matches!(refused, Ok(Ok(_))), "a connection without the token is refused");
+    use std::os::unix::fs::PermissionsExt as _;
+    for file in ["token", "server.conf"] {
+        let mode = std::fs::metadata(store.join(file)).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "{file} is its owner's only");
+    }
 
     // Kill the embedded server: keygate restarts it and becomes ready again,
     // with the stream still there (file store).

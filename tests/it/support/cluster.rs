@@ -114,6 +114,24 @@ impl NatsCluster {
         format!("nats://127.0.0.1:{}", self.nodes[i].port)
     }
 
+    /// The name of the node leading `stream`, as the server says.
+    pub async fn leader_of(&self, stream: &str) -> String {
+        let client = async_nats::connect(self.addrs()).await.unwrap();
+        let js = async_nats::jetstream::new(client);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let leader = async {
+                let mut s = js.get_stream(stream).await.ok()?;
+                s.info().await.ok()?.cluster.as_ref()?.leader.clone()
+            };
+            if let Some(leader) = leader.await {
+                return leader;
+            }
+            assert!(Instant::now() < deadline, "{stream} has no leader");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// The running node a client connected under `name` is on, if any.
     pub async fn node_serving(&self, name: &str) -> Option<usize> {
         for (i, node) in self.nodes.iter().enumerate().filter(|(_, n)| n.child.is_some()) {

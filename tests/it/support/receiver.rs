@@ -169,7 +169,7 @@ async fn handle(
     response
 }
 
-/// DESIGN.md Guarantee 1, checked on what a receiver saw: when a message
+/// Per-key order (docs/guarantees.md), checked on what a receiver saw: when a message
 /// arrives, every earlier message of its key was already answered 2xx
 /// before it (or dead-lettered: `skipped`), and no other request of its key
 /// is still open.
