@@ -490,7 +490,7 @@ pub async fn publish_all(
                             "message stored in stream {} instead of {}",
                             ack.stream, shape.name
                         ))),
-                        Ok(ack) if ack.duplicate => Ok(stored_ack(js, shape, ack.sequence).await),
+                        Ok(ack) if ack.duplicate => Ok(stored_ack(js, shape, ack.sequence, &prepared).await),
                         Ok(ack) => Ok(PublishAck {
                             stream: ack.stream,
                             seq: ack.sequence,
@@ -687,13 +687,14 @@ async fn acknowledged(
 
 /// The answer for a duplicate: where the first message with that id was
 /// stored (its subject, partition and key, which may differ from the retry's).
-async fn stored_ack(js: &jetstream::Context, shape: &StreamShape, seq: u64) -> PublishAck {
+async fn stored_ack(js: &jetstream::Context, shape: &StreamShape, seq: u64, retry: &Prepared) -> PublishAck {
+    // Until the stored copy is read: the retry's own subject and key.
     let mut ack = PublishAck {
         stream: shape.name.clone(),
         seq,
-        subject: String::new(),
-        partition: None,
-        key: None,
+        subject: retry.subject.clone(),
+        partition: retry.partition,
+        key: retry.key.clone(),
         duplicate: true,
     };
     let Ok(stream) = js.get_stream_no_info(&shape.name).await else { return ack };
@@ -706,13 +707,16 @@ async fn stored_ack(js: &jetstream::Context, shape: &StreamShape, seq: u64) -> P
         },
         None => (None, stored.clone()),
     };
-    ack.key = shape.stamping.as_ref().and_then(|(source, spec)| {
+    let decoded = shape.stamping.as_ref().and_then(|(source, spec)| {
         let captured = source.captures(&subject)?;
         match spec.wildcards.as_slice() {
             [w] => decode_key(captured.get((*w as usize).checked_sub(1)?)?),
             _ => None,
         }
     });
+    // The same subject carries the same key (an unstamped stream's key is
+    // not in its stored subject's transform to decode).
+    ack.key = decoded.or_else(|| (subject == retry.subject).then(|| retry.key.clone()).flatten());
     ack.subject = subject;
     ack.partition = partition;
     ack

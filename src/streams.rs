@@ -364,7 +364,10 @@ impl Streams {
                 Some(codes::STREAM_NAME_IN_USE) => {
                     ApiError::Conflict(format!("stream {name} was created concurrently"))
                 }
-                Some(code) if code != codes::JETSTREAM_UNAVAILABLE => {
+                Some(codes::JETSTREAM_UNAVAILABLE | codes::NO_SUITABLE_PEERS) => {
+                    ApiError::Unavailable(format!("JetStream cannot place the stream now; retry: {e}"))
+                }
+                Some(code) => {
                     let field = match code {
                         codes::STORAGE_RESOURCES_EXCEEDED | codes::MEMORY_RESOURCES_EXCEEDED => {
                             "max_bytes (or storage): more than the server can reserve"

@@ -67,6 +67,9 @@ pub mod codes {
     pub const STREAM_NAME_IN_USE: u64 = 10058;
     /// Subjects overlap with an existing stream.
     pub const SUBJECT_OVERLAP: u64 = 10065;
+    /// No servers to place the stream's replicas on yet (a cluster that
+    /// is forming, or a node down): retry.
+    pub const NO_SUITABLE_PEERS: u64 = 10005;
     /// JetStream is temporarily unavailable (no meta leader): retry.
     pub const JETSTREAM_UNAVAILABLE: u64 = 10008;
     /// The stream's byte limit is more than the server's storage can reserve.

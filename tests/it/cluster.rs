@@ -39,8 +39,10 @@ async fn publish_until(
             let batch: Vec<Value> = (n..n + 10)
                 .map(|i| json!({"key": format!("k{}", i % KEYS), "msg_id": format!("{stream}-{i}"), "data": {"n": i}}))
                 .collect();
+            let mut attempts = 0;
             loop {
                 turn += 1;
+                attempts += 1;
                 let base = &bases[turn % bases.len()];
                 let answer = http
                     .post(format!("{base}/v1/streams/{stream}/messages/batch"))
@@ -70,6 +72,8 @@ async fn publish_until(
                     published.lock().unwrap().extend(results.into_iter().map(|(k, s)| (stream.to_owned(), k, s)));
                     break;
                 }
+                // A minute of refusals with every node up is a failure, not an election.
+                assert!(attempts < 300, "{stream}: a batch was refused for a minute; last answer: {body}");
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
         }
@@ -170,20 +174,26 @@ async fn groups_keep_being_served_while_leader_nodes_are_killed_and_restarted() 
     }
     let bases: Vec<String> = replicas.iter().map(|r| r.base.clone()).collect();
     let put = |path: &str, body: Value| http.put(format!("{}{path}", bases[0])).json(&body).send();
-    let created = |r: reqwest::Response| assert_eq!(r.status(), 201);
-    created(put("/v1/streams/ORDERS", json!({"subjects":["orders.*"],"partitions":8,"replicas":3})).await.unwrap());
-    created(put("/v1/streams/EV", json!({"subjects":["ev.*"],"replicas":3})).await.unwrap());
+    let created = async |r: reqwest::Response| {
+        let status = r.status();
+        let answered = r.text().await.unwrap_or_default();
+        assert_eq!(status, 201, "{answered}");
+    };
+    created(put("/v1/streams/ORDERS", json!({"subjects":["orders.*"],"partitions":8,"replicas":3})).await.unwrap())
+        .await;
+    created(put("/v1/streams/EV", json!({"subjects":["ev.*"],"replicas":3})).await.unwrap()).await;
     let static_group = json!({"kind":"static","partitions":8,"members":["s1","s2"],"ack_wait_ms":2000});
-    created(put("/v1/streams/ORDERS/groups/st", static_group).await.unwrap());
+    created(put("/v1/streams/ORDERS/groups/st", static_group).await.unwrap()).await;
     let elastic_group = json!({"kind":"elastic","partitions":8,"members":["e1","e2"],"ack_wait_ms":2000,
         "partitioning_filters":[{"filter":"ev.*","wildcards":[1]}]});
-    created(put("/v1/streams/EV/groups/el", elastic_group).await.unwrap());
+    created(put("/v1/streams/EV/groups/el", elastic_group).await.unwrap()).await;
     let receiver = Receiver::start(|_, _| Answer::ok()).await;
     for (stream, group, member) in
         [("ORDERS", "st", "s1"), ("ORDERS", "st", "s2"), ("EV", "el", "e1"), ("EV", "el", "e2")]
     {
         let hook = json!({"url": receiver.url(&format!("/{group}/{member}"))});
-        created(put(&format!("/v1/streams/{stream}/groups/{group}/members/{member}/webhook"), hook).await.unwrap());
+        created(put(&format!("/v1/streams/{stream}/groups/{group}/members/{member}/webhook"), hook).await.unwrap())
+            .await;
     }
     // Everything keygate created for R3 streams is R3, its own state too.
     let client = async_nats::connect(cluster.addrs()).await.unwrap();

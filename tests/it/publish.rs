@@ -425,3 +425,16 @@ async fn atomic_batches_store_every_message_or_none() {
     let (_, view) = app.get("/v1/streams/AT").await;
     assert_eq!(view["allow_atomic"], true);
 }
+
+#[tokio::test]
+async fn a_duplicate_answer_names_the_key_on_a_stream_without_partitions() {
+    let app = TestApp::start().await;
+    app.create_stream("UNST", json!({"subjects":["unst.*"]})).await;
+    let message = json!({"key":"alice","msg_id":"m-1","data":1});
+    let (_, first) = app.post("/v1/streams/UNST/messages", message.clone()).await;
+    let (status, again) = app.post("/v1/streams/UNST/messages", message).await;
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(again["duplicate"], true);
+    assert_eq!(again["seq"], first["seq"]);
+    assert_eq!(again["key"], "alice", "{again}");
+}
