@@ -20,7 +20,7 @@ mod process;
 #[allow(dead_code)] // each benchmark uses part of it
 mod support;
 
-use support::{put, KeygateProcess, LocalNats};
+use support::{put, KeygateProcess, LocalNats, NatsEndpoint};
 
 const PARTITIONS: u32 = 16;
 const KEYS: u64 = 1000;
@@ -48,8 +48,8 @@ async fn receiver() -> (String, Arc<AtomicU64>) {
 
 /// Publishes `n` keyed messages in batches (several in flight), then lets
 /// one webhook member deliver them in key order; both as rates.
-async fn measure(http: &reqwest::Client, nats_urls: &str, replicas: u32, n: u64) -> Figures {
-    let kg = KeygateProcess::start(nats_urls);
+async fn measure(http: &reqwest::Client, nats: &NatsEndpoint, replicas: u32, n: u64) -> Figures {
+    let kg = KeygateProcess::start(nats);
     kg.ready(http).await;
     let base = kg.base.clone();
     let stream = json!({"subjects":["bench.*"],"partitions":PARTITIONS,"replicas":replicas});
@@ -93,11 +93,11 @@ async fn main() -> anyhow::Result<()> {
     let http = reqwest::Client::new();
 
     let single = LocalNats::start().await?;
-    let one = measure(&http, single.url(), 1, n).await;
+    let one = measure(&http, &single.endpoint(), 1, n).await;
     single.stop().await;
 
     let nodes = cluster::NatsCluster::start().await;
-    let three = measure(&http, &nodes.urls(), 3, n).await;
+    let three = measure(&http, &NatsEndpoint { url: nodes.urls(), token: None }, 3, n).await;
     drop(nodes);
 
     println!(

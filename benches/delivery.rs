@@ -7,7 +7,6 @@
 //! `cargo bench --bench delivery` (env `KEYGATE_BENCH_MESSAGES`, default 20000).
 
 use std::collections::HashMap;
-use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -20,6 +19,7 @@ use serde_json::{json, Value};
 
 #[allow(dead_code)] // each benchmark uses part of it
 mod support;
+use support::NatsEndpoint;
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -181,24 +181,13 @@ async fn keygate_ordered(
     rate
 }
 
-fn keygate_process(nats: &str, id: &str) -> (std::process::Child, String) {
-    let port = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap().local_addr().unwrap().port();
-    let child = Command::new(env!("CARGO_BIN_EXE_keygate"))
-        .args(["serve", "--nats-url", nats, "--listen", &format!("127.0.0.1:{port}"), "--instance-id", id])
-        .env("KEYGATE_LOG", "error")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    (child, format!("http://127.0.0.1:{port}"))
-}
-
 /// Two keygate processes serve one member; messages flow at a steady rate;
 /// the pinned one is killed. Returns (seconds until deliveries resume, reorders).
-async fn failover(nats: &str, http: &reqwest::Client, js: &jetstream::Context) -> (f64, u64) {
+async fn failover(nats: &NatsEndpoint, http: &reqwest::Client, js: &jetstream::Context) -> (f64, u64) {
     let sink = Sink::new(Duration::ZERO);
     let url = sink.clone().serve().await;
-    let (mut first, base) = keygate_process(nats, "bench-a");
+    let mut first = support::KeygateProcess::start_named(nats, Some("bench-a"));
+    let base = first.base.clone();
     for _ in 0..400 {
         if http.get(format!("{base}/readyz")).send().await.is_ok_and(|r| r.status() == 200) {
             break;
@@ -213,7 +202,7 @@ async fn failover(nats: &str, http: &reqwest::Client, js: &jetstream::Context) -
     put("/v1/streams/FO/groups/g/members/m/webhook", json!({"url": url})).await.unwrap();
     js.publish("fo.warmup", Bytes::new()).await.unwrap().await.unwrap();
     sink.wait_for(1, Duration::from_secs(20)).await;
-    let (mut second, _) = keygate_process(nats, "bench-b");
+    let mut second = support::KeygateProcess::start_named(nats, Some("bench-b"));
     tokio::time::sleep(Duration::from_secs(2)).await;
     // Kill whichever holds the pin (asked until one answers).
     let mut serving = Value::Null;
@@ -240,14 +229,12 @@ async fn failover(nats: &str, http: &reqwest::Client, js: &jetstream::Context) -
     };
     tokio::time::sleep(Duration::from_secs(2)).await;
     let killed = Instant::now();
-    first.kill().unwrap();
-    let _ = first.wait();
+    drop(first); // SIGKILL
     publishing.await.unwrap();
     tokio::time::sleep(Duration::from_secs(6)).await;
     let arrivals = sink.arrivals.lock().unwrap().clone();
     let resumed = arrivals.iter().find(|t| **t > killed + Duration::from_millis(50)).copied();
-    let _ = second.kill();
-    let _ = second.wait();
+    drop(second);
     (resumed.map_or(f64::NAN, |t| (t - killed).as_secs_f64()), sink.reorders.load(Ordering::Relaxed))
 }
 
@@ -287,7 +274,7 @@ async fn main() -> anyhow::Result<()> {
         );
         assert_eq!(reorders, 0, "no per-key reorder");
     }
-    let (seconds, reorders) = failover(&rig.nats_url, &http, &js).await;
+    let (seconds, reorders) = failover(&rig.nats, &http, &js).await;
     println!("| failover (pinned keygate killed, pinned TTL 2 s) | | | {seconds:.2} s until deliveries resume | {reorders} reorders | | ≤ 3 s, 0 |");
 
     rig.stop().await;

@@ -160,7 +160,7 @@ async fn main() -> anyhow::Result<()> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let http = reqwest::Client::builder().pool_max_idle_per_host(256).build()?;
     let server = LocalNats::start().await?;
-    let kg = KeygateProcess::start(server.url());
+    let kg = KeygateProcess::start(&server.endpoint());
     kg.ready(&http).await;
     let base = kg.base.clone();
     put(&http, format!("{base}/v1/streams/SOAK"), json!({"subjects":["soak.*"],"partitions":PARTITIONS})).await;

@@ -18,7 +18,7 @@ use tokio_tungstenite::tungstenite::Message;
 #[allow(dead_code)] // each benchmark uses part of it
 mod support;
 
-use support::{put, KeygateProcess, LocalNats};
+use support::{put, KeygateProcess, LocalNats, NatsEndpoint};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -111,7 +111,7 @@ async fn raw_ordered(js: &jetstream::Context, http: &reqwest::Client, base: &str
 
 /// RSS of a fresh keygate process before and after 1,000 idle member
 /// connections spread over `member_count` members.
-async fn idle_connections(nats: &str, http: &reqwest::Client, member_count: usize) -> (f64, f64) {
+async fn idle_connections(nats: &NatsEndpoint, http: &reqwest::Client, member_count: usize) -> (f64, f64) {
     let kg = KeygateProcess::start(nats);
     kg.ready(http).await;
     let members: Vec<String> = (0..member_count).map(|i| format!("m{i}")).collect();
@@ -161,9 +161,9 @@ async fn main() -> anyhow::Result<()> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let http = reqwest::Client::new();
     let server = LocalNats::start().await?;
-    let kg = KeygateProcess::start(server.url());
+    let kg = KeygateProcess::start(&server.endpoint());
     kg.ready(&http).await;
-    let nats = async_nats::connect(server.url()).await?;
+    let nats = server.endpoint().connect().await?;
     let js = keygate::nats::connect::jetstream(nats, Duration::from_secs(10));
 
     println!(
@@ -182,7 +182,7 @@ async fn main() -> anyhow::Result<()> {
     assert_eq!(reorders, 0, "no per-key reorder");
     drop(kg);
     for member_count in IDLE_MEMBER_COUNTS {
-        let (before, after) = idle_connections(server.url(), &http, member_count).await;
+        let (before, after) = idle_connections(&server.endpoint(), &http, member_count).await;
         println!(
             "| RSS with {IDLE_CONNECTIONS} idle member connections ({member_count} members), fresh process | | {before:.1} → {after:.1} MiB (+{:.1} MiB = {:.1} MB) | | ≤ +50 MB |",
             after - before,

@@ -9,9 +9,49 @@ use keygate::nats::embedded::EmbeddedServer;
 use keygate::Settings;
 use tokio_util::sync::CancellationToken;
 
+/// Where a benchmark's nats-server is, and the token it takes (keygate's
+/// embedded server requires one).
+#[derive(Clone, Debug)]
+pub struct NatsEndpoint {
+    pub url: String,
+    pub token: Option<String>,
+}
+
+impl NatsEndpoint {
+    /// A client connection.
+    pub async fn connect(&self) -> anyhow::Result<async_nats::Client> {
+        let options = match &self.token {
+            Some(token) => async_nats::ConnectOptions::with_token(token.clone()),
+            None => async_nats::ConnectOptions::new(),
+        };
+        Ok(options.connect(self.url.as_str()).await?)
+    }
+
+    /// keygate's own settings for this server.
+    pub fn settings(&self) -> Settings {
+        let auth = keygate::config::NatsAuth { token: self.token.clone(), ..Default::default() };
+        Settings {
+            nats: keygate::config::NatsTarget::External { url: self.url.clone(), auth },
+            ..Settings::for_nats_url(&self.url)
+        }
+    }
+
+    /// `keygate serve` arguments (and environment) for this server.
+    pub fn command(&self, command: &mut Command) {
+        command.args(["--nats-url", &self.url]);
+        if let Some(token) = &self.token {
+            command.env("KEYGATE_NATS_TOKEN", token);
+        }
+    }
+}
+
+fn endpoint_of(server: &EmbeddedServer) -> NatsEndpoint {
+    NatsEndpoint { url: server.url().to_owned(), token: Some(server.token().to_owned()) }
+}
+
 pub struct Rig {
     pub base: String,
-    pub nats_url: String,
+    pub nats: NatsEndpoint,
     pub js: async_nats::jetstream::Context,
     pub http: reqwest::Client,
     server: EmbeddedServer,
@@ -33,17 +73,16 @@ impl Rig {
         let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await?;
         let base = format!("http://{}", listener.local_addr()?);
         let app_stop = CancellationToken::new();
-        let app = tokio::spawn(keygate::run(Settings::for_nats_url(server.url()), listener, app_stop.clone()));
-        let nats = async_nats::connect(server.url()).await?;
-        let js = keygate::nats::connect::jetstream(nats, Duration::from_secs(10));
+        let endpoint = endpoint_of(&server);
+        let app = tokio::spawn(keygate::run(endpoint.settings(), listener, app_stop.clone()));
+        let js = keygate::nats::connect::jetstream(endpoint.connect().await?, Duration::from_secs(10));
         for _ in 0..200 {
             if http.get(format!("{base}/readyz")).send().await.is_ok_and(|r| r.status() == 200) {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
-        let nats_url = server.url().to_owned();
-        Ok(Self { base, nats_url, js, http, server, server_stop, app, app_stop, _store: store })
+        Ok(Self { base, nats: endpoint, js, http, server, server_stop, app, app_stop, _store: store })
     }
 
     /// Stops keygate, then the nats-server.
@@ -127,15 +166,20 @@ pub struct KeygateProcess {
 }
 
 impl KeygateProcess {
-    pub fn start(nats: &str) -> Self {
+    pub fn start(nats: &NatsEndpoint) -> Self {
+        Self::start_named(nats, None)
+    }
+
+    /// Started with `--instance-id` when `id` is given.
+    pub fn start_named(nats: &NatsEndpoint, id: Option<&str>) -> Self {
         let port = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap().local_addr().unwrap().port();
-        let child = Command::new(env!("CARGO_BIN_EXE_keygate"))
-            .args(["serve", "--nats-url", nats, "--listen", &format!("127.0.0.1:{port}"), "--backlog-sample-secs", "0"])
-            .env("KEYGATE_LOG", "error")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
+        let mut command = Command::new(env!("CARGO_BIN_EXE_keygate"));
+        command.args(["serve", "--listen", &format!("127.0.0.1:{port}"), "--backlog-sample-secs", "0"]);
+        nats.command(&mut command);
+        if let Some(id) = id {
+            command.args(["--instance-id", id]);
+        }
+        let child = command.env("KEYGATE_LOG", "error").stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
         Self { child, base: format!("http://127.0.0.1:{port}") }
     }
 
@@ -202,8 +246,8 @@ impl LocalNats {
         Ok(Self { server, stop, _store: store })
     }
 
-    pub fn url(&self) -> &str {
-        self.server.url()
+    pub fn endpoint(&self) -> NatsEndpoint {
+        endpoint_of(&self.server)
     }
 
     pub async fn stop(self) {

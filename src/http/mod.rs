@@ -230,17 +230,18 @@ fn request_span(request: &axum::http::Request<axum::body::Body>) -> tracing::Spa
     tracing::info_span!("request", id, method = %request.method(), uri = %request.uri().path())
 }
 
-/// Ends a request that runs longer than the configured limit with a 503.
-/// Streams are exempt: WebSocket upgrades and the event stream run for as
-/// long as the client stays.
+/// Ends a `/v1` request that runs longer than the configured limit with a
+/// 503. Streams are exempt (WebSocket upgrades and the event stream run for
+/// as long as the client stays), and so are the health checks.
 async fn bounded_in_time(
     axum::extract::State(limit): axum::extract::State<std::time::Duration>,
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    let streaming = request.headers().contains_key(axum::http::header::UPGRADE)
-        || request.extensions().get::<axum::extract::MatchedPath>().is_some_and(|p| p.as_str() == "/v1/events");
-    if streaming {
+    let route = request.extensions().get::<axum::extract::MatchedPath>().map(|p| p.as_str().to_owned());
+    let exempt = request.headers().contains_key(axum::http::header::UPGRADE)
+        || route.as_deref().is_none_or(|r| !r.starts_with("/v1/") || r == "/v1/events");
+    if exempt {
         return next.run(request).await;
     }
     match tokio::time::timeout(limit, next.run(request)).await {

@@ -251,3 +251,30 @@ async fn secrets_and_url_tokens_stay_out_of_debug_logs_and_errors() {
         assert!(!event_text.contains(leaked), "{leaked} in an event");
     }
 }
+
+#[tokio::test]
+async fn a_member_gets_at_most_its_share_of_websocket_connections() {
+    let app = TestApp::start_with(|s| s.ws_max_connections_per_member = 1).await;
+    stream_and_group(&app, "g", json!(["m1"])).await;
+    let url = member_url(&app.base, "S", "g", "m1", "");
+    let mut first = WsClient::connect(&url).await;
+    first.next_of("assigned", WAIT).await;
+    match WsClient::connect_with(&url, &[]).await {
+        Ok(_) => panic!("a second connection of m1 was accepted"),
+        Err(status) => assert_eq!(status, 429),
+    }
+    first.close().await;
+    // The slot is free again once the first connection is gone.
+    eventually(WAIT, || async { WsClient::connect_with(&url, &[]).await.ok() }).await;
+}
+
+#[tokio::test]
+async fn a_request_that_outlives_its_limit_answers_503_but_streams_do_not() {
+    let app = TestApp::start_with(|s| s.request_timeout = Duration::from_nanos(1)).await;
+    let (status, problem) = app.get("/v1/streams").await;
+    assert_eq!(status, 503, "{problem}");
+    assert!(problem["detail"].as_str().unwrap().contains("took longer"), "{problem}");
+    // The event stream is exempt: it answers 200 and stays open.
+    let events = app.http.get(app.url("/v1/events")).send().await.unwrap();
+    assert_eq!(events.status(), 200);
+}
