@@ -270,11 +270,17 @@ async fn a_member_gets_at_most_its_share_of_websocket_connections() {
 
 #[tokio::test]
 async fn a_request_that_outlives_its_limit_answers_503_but_streams_do_not() {
-    let app = TestApp::start_with(|s| s.request_timeout = Duration::from_nanos(1)).await;
-    let (status, problem) = app.get("/v1/streams").await;
+    let setup = TestApp::start().await;
+    stream_and_group(&setup, "g", json!(["m1"])).await;
+    // The group view waits out a 200 ms roll call of the member's instances,
+    // so it always outlives a 50 ms limit, however fast the machine.
+    let app = TestApp::start_on_with(setup.nats_url.clone(), |s| s.request_timeout = Duration::from_millis(50)).await;
+    let (status, problem) = app.get("/v1/streams/S/groups/g").await;
     assert_eq!(status, 503, "{problem}");
     assert!(problem["detail"].as_str().unwrap().contains("took longer"), "{problem}");
     // The event stream is exempt: it answers 200 and stays open.
-    let events = app.http.get(app.url("/v1/events")).send().await.unwrap();
+    let mut events = app.http.get(app.url("/v1/events")).send().await.unwrap();
     assert_eq!(events.status(), 200);
+    let read = tokio::time::timeout(Duration::from_millis(300), events.chunk()).await;
+    assert!(!matches!(read, Ok(Ok(None)) | Ok(Err(_))), "the event stream ended within the limit: {read:?}");
 }

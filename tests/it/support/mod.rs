@@ -131,7 +131,11 @@ impl TestApp {
 
     /// Another keygate on an existing server.
     pub async fn start_on(url: String) -> Self {
-        Self::start_inner(None, url.clone(), url, |_| {}).await
+        Self::start_on_with(url, |_| {}).await
+    }
+
+    pub async fn start_on_with(url: String, adjust: impl FnOnce(&mut Settings)) -> Self {
+        Self::start_inner(None, url.clone(), url, adjust).await
     }
 
     /// keygate reaching `server` through `keygate_url` (a proxy); the test's
