@@ -15,7 +15,7 @@ use crate::config::{NatsTarget, Settings};
 use crate::delivery::webhook::{WebhookClient, WebhookStore};
 use crate::events::EventBus;
 use crate::groups::GroupAdmin;
-use crate::member::instance::InstanceContext;
+use crate::member::context::InstanceContext;
 use crate::nats::connect::{connect, jetstream};
 use crate::nats::embedded::EmbeddedServer;
 use crate::streams::Streams;
@@ -104,7 +104,7 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
         NatsTarget::Embedded { binary, store_dir, port } => {
             let server = EmbeddedServer::start(binary, store_dir, *port, server_token.clone()).await?;
             let url = server.url().to_owned();
-            let auth = crate::config::NatsAuth { token: Some(server.token().to_owned()), ..Default::default() };
+            let auth = crate::nats::connect::NatsAuth { token: Some(server.token().to_owned()), ..Default::default() };
             (Some(server), url, auth)
         }
     };
@@ -131,7 +131,7 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
         config_watch: crate::member::config_watch::ConfigWatch::new(state.js.clone()),
         subscriptions: crate::nats::shared::SharedSubscriptions::new(
             nats.clone(),
-            &[crate::member::instance::CONTROL_PREFIX],
+            &[crate::member::control::CONTROL_PREFIX],
         ),
         configs: Default::default(),
     });
@@ -142,9 +142,9 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
     }
     // Members wind down as soon as shutdown starts, beside the HTTP drain.
     let members_token = shutdown.child_token();
-    let members = tokio::spawn(crate::member::supervisor::supervise(instances, members_token.clone()));
+    let members = tokio::spawn(crate::supervisor::supervise(instances, members_token.clone()));
     let backlog = state.settings.backlog_sample_interval.map(|every| {
-        tokio::spawn(crate::groups::backlog::sample_backlog(
+        tokio::spawn(crate::status::backlog::sample_backlog(
             state.groups.clone(),
             nats.clone(),
             every,

@@ -5,6 +5,8 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::nats::connect::NatsAuth;
+
 /// How to reach NATS: an existing server or cluster, or one keygate runs.
 #[derive(Debug, Clone)]
 pub enum NatsTarget {
@@ -17,27 +19,6 @@ pub enum NatsTarget {
         /// 0 picks a free loopback port.
         port: u16,
     },
-}
-
-/// Credentials for an external NATS.
-#[derive(Clone, Default)]
-pub struct NatsAuth {
-    pub token: Option<String>,
-    pub user: Option<String>,
-    pub password: Option<String>,
-    pub creds_file: Option<PathBuf>,
-}
-
-/// Shows which credentials are set, never their values.
-impl std::fmt::Debug for NatsAuth {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NatsAuth")
-            .field("token", &self.token.as_ref().map(|_| "(redacted)"))
-            .field("user", &self.user)
-            .field("password", &self.password.as_ref().map(|_| "(redacted)"))
-            .field("creds_file", &self.creds_file)
-            .finish()
-    }
 }
 
 /// Everything `keygate serve` runs with.

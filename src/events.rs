@@ -8,6 +8,8 @@ use time::OffsetDateTime;
 use tokio::sync::broadcast;
 use utoipa::ToSchema;
 
+use crate::member_ref::MemberRef;
+
 /// Subject prefix of events.
 pub const SUBJECT_PREFIX: &str = "keygate.events";
 
@@ -92,17 +94,32 @@ pub struct Event {
     pub time: OffsetDateTime,
 }
 
+/// Who an event is about, and the keygate instance that saw it.
+#[derive(Debug, Clone, Copy)]
+pub struct About<'a> {
+    pub who: &'a MemberRef,
+    pub instance: &'a str,
+}
+
+/// The message a verdict event is about.
+#[derive(Debug, Clone, Copy)]
+pub struct MessageAt {
+    pub partition: u32,
+    /// The stream sequence (the origin stream's, for an elastic group's copy).
+    pub seq: u64,
+    pub attempt: u64,
+}
+
 impl Event {
-    /// An event of `event_type` about a member, stamped now.
-    pub fn new(event_type: EventType, stream: &str, group: &str, member: &str, instance: &str) -> Self {
+    fn about(about: About<'_>, event_type: EventType) -> Self {
         Self {
             event_type,
-            stream: stream.to_owned(),
-            group: group.to_owned(),
-            member: member.to_owned(),
+            stream: about.who.stream.to_string(),
+            group: about.who.group.to_string(),
+            member: about.who.member.to_string(),
             partition: None,
             seq: None,
-            instance: instance.to_owned(),
+            instance: about.instance.to_owned(),
             attempt: None,
             delay_ms: None,
             reason: None,
@@ -110,6 +127,81 @@ impl Event {
             pin_id: None,
             fencing_token: None,
             time: OffsetDateTime::now_utc(),
+        }
+    }
+
+    fn about_message(about: About<'_>, event_type: EventType, at: MessageAt, reason: &str) -> Self {
+        Self {
+            partition: Some(at.partition),
+            seq: Some(at.seq),
+            attempt: Some(at.attempt),
+            reason: Some(reason.to_owned()),
+            ..Self::about(about, event_type)
+        }
+    }
+
+    /// The instance holds the member's pin; `fencing_token` is `None` while
+    /// it could not be raised (nothing is delivered until it is).
+    pub fn member_pinned(about: About<'_>, pin_id: String, fencing_token: Option<u64>, partitions: Vec<u32>) -> Self {
+        Self {
+            pin_id: Some(pin_id),
+            fencing_token,
+            partitions: Some(partitions),
+            ..Self::about(about, EventType::MemberPinned)
+        }
+    }
+
+    pub fn member_unpinned(about: About<'_>, reason: &str) -> Self {
+        Self { reason: Some(reason.to_owned()), ..Self::about(about, EventType::MemberUnpinned) }
+    }
+
+    /// Another instance holds the pin; this one waits.
+    pub fn member_standby(about: About<'_>) -> Self {
+        Self::about(about, EventType::MemberStandby)
+    }
+
+    pub fn assignment_changed(about: About<'_>, partitions: Vec<u32>) -> Self {
+        Self { partitions: Some(partitions), ..Self::about(about, EventType::AssignmentChanged) }
+    }
+
+    pub fn message_acked(about: About<'_>, at: MessageAt, reason: &str) -> Self {
+        Self::about_message(about, EventType::MessageAcked, at, reason)
+    }
+
+    /// The message comes back after `delay`.
+    pub fn message_naked(about: About<'_>, at: MessageAt, delay: std::time::Duration, reason: &str) -> Self {
+        Self {
+            delay_ms: Some(delay.as_millis() as u64),
+            ..Self::about_message(about, EventType::MessageNaked, at, reason)
+        }
+    }
+
+    pub fn message_terminated(about: About<'_>, at: MessageAt, reason: &str) -> Self {
+        Self::about_message(about, EventType::MessageTerminated, at, reason)
+    }
+
+    pub fn message_dead_lettered(about: About<'_>, at: MessageAt, reason: &str) -> Self {
+        Self::about_message(about, EventType::MessageDeadLettered, at, reason)
+    }
+
+    /// The partition's head failed; nothing behind it goes until it passes.
+    pub fn partition_blocked(about: About<'_>, partition: u32, seq: u64, attempt: u64, reason: &str) -> Self {
+        Self {
+            partition: Some(partition),
+            seq: Some(seq),
+            attempt: Some(attempt),
+            reason: Some(reason.to_owned()),
+            ..Self::about(about, EventType::PartitionBlocked)
+        }
+    }
+
+    /// The head passed (acked, skipped, or gone from the stream: `reason`).
+    pub fn partition_unblocked(about: About<'_>, partition: u32, seq: u64, reason: Option<&str>) -> Self {
+        Self {
+            partition: Some(partition),
+            seq: Some(seq),
+            reason: reason.map(str::to_owned),
+            ..Self::about(about, EventType::PartitionUnblocked)
         }
     }
 
@@ -174,12 +266,22 @@ mod tests {
 
     #[test]
     fn events_serialize_with_their_dotted_type_and_subject() {
-        let mut e = Event::new(EventType::MessageNaked, "ORDERS", "g", "m1", "i1");
-        e.partition = Some(3);
-        e.delay_ms = Some(500);
+        use crate::names::{GroupName, MemberName, StreamName};
+        let who = MemberRef {
+            stream: StreamName::parse("ORDERS").unwrap(),
+            group: GroupName::parse("g").unwrap(),
+            member: MemberName::parse("m1").unwrap(),
+            owner: Default::default(),
+        };
+        let about = About { who: &who, instance: "i1" };
+        let at = MessageAt { partition: 3, seq: 9, attempt: 2 };
+        let e = Event::message_naked(about, at, std::time::Duration::from_millis(500), "503");
         let json = serde_json::to_value(&e).unwrap();
         assert_eq!(json["type"], "message.naked");
         assert_eq!(json["partition"], 3);
+        assert_eq!(json["delay_ms"], 500);
+        assert_eq!(json["attempt"], 2);
+        assert_eq!(json["instance"], "i1");
         assert_eq!(e.subject(), "keygate.events.ORDERS.g.m1.message.naked");
         assert_eq!(subject_filter(Some("ORDERS"), None, None), "keygate.events.ORDERS.*.*.>");
     }

@@ -12,12 +12,15 @@ pub mod events;
 pub mod groups;
 pub mod http;
 pub mod member;
+pub mod member_ref;
 pub mod metrics;
 pub mod names;
 pub mod nats;
 pub mod partition;
 pub mod publish;
+pub mod status;
 pub mod streams;
+pub mod supervisor;
 
 pub use app::{run, AppState};
 pub use config::Settings;

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
-use keygate::config::{NatsAuth, NatsTarget, Settings};
+use keygate::config::{NatsTarget, Settings};
+use keygate::nats::connect::NatsAuth;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
@@ -244,7 +245,9 @@ impl ServeArgs {
 fn init_logs(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("KEYGATE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    // Colour codes only for a terminal: redirected logs stay plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stdout());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi);
     match format {
         LogFormat::Json => builder.json().init(),
         LogFormat::Pretty => builder.init(),
@@ -307,7 +310,7 @@ async fn main() -> anyhow::Result<()> {
             let doc = keygate::http::openapi_json();
             match output {
                 Some(path) => std::fs::write(&path, doc).with_context(|| format!("writing {}", path.display()))?,
-                None => print!("{doc}"),
+                None => keygate::cli::render::write_stdout(doc.as_bytes())?,
             }
             Ok(())
         }

@@ -29,7 +29,7 @@ impl NatsEndpoint {
 
     /// keygate's own settings for this server.
     pub fn settings(&self) -> Settings {
-        let auth = keygate::config::NatsAuth { token: self.token.clone(), ..Default::default() };
+        let auth = keygate::nats::connect::NatsAuth { token: self.token.clone(), ..Default::default() };
         Settings {
             nats: keygate::config::NatsTarget::External { url: self.url.clone(), auth },
             ..Settings::for_nats_url(&self.url)

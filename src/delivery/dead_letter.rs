@@ -6,28 +6,12 @@ use async_nats::jetstream::{self, stream};
 use async_nats::HeaderMap;
 use bytes::Bytes;
 
+use crate::member_ref::Owner;
+
 /// Stream keeping dead letters.
 pub const DEAD_LETTER_STREAM: &str = "KEYGATE_DEAD_LETTERS";
 /// Its subjects: `keygate.dlq.<stream>.<group>.<member>`.
 pub const DEAD_LETTER_SUBJECTS: &str = "keygate.dlq.>";
-
-/// Whose delivery failed: a partitioned group's member, or a plain
-/// consumer's subscriber (a group and a consumer may share a name).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum Owner {
-    #[default]
-    Group,
-    Consumer,
-}
-
-impl Owner {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Owner::Group => "group",
-            Owner::Consumer => "consumer",
-        }
-    }
-}
 
 /// What to record with a dead letter.
 pub struct DeadLetter<'a> {

@@ -3,9 +3,10 @@
 
 use std::sync::Arc;
 
+use super::frames::ServerFrame;
 use super::signing::SigningKey;
 use super::webhook::{Backoff, Registration};
-use super::websocket::{ServerFrame, SocketEndpoint};
+use super::websocket::SocketEndpoint;
 
 /// A member instance's endpoint.
 pub enum Endpoint {

@@ -4,6 +4,8 @@
 pub mod dead_letter;
 pub mod destination;
 pub mod endpoint;
+pub mod frames;
+pub mod message;
 pub mod signing;
 pub mod verdict;
 pub mod webhook;

@@ -1,48 +1,27 @@
-//! Group administration against NATS: the pcgroups KV buckets, the elastic
-//! work-queue streams, member consumers' state, and membership edits by
-//! compare-and-set. The same code serves the REST API and the CLI.
+//! Group administration: create or reconcile a group (`PUT`), delete it,
+//! and edit elastic membership and mappings by compare-and-set, with the
+//! checks the stream must pass first. The same code serves the REST API and
+//! the CLI.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, kv, stream};
+use async_nats::jetstream::{kv, stream};
 use bytes::Bytes;
-use futures::{StreamExt, TryStreamExt};
-use serde::{Deserialize, Serialize};
 
 use super::config::{
-    config_key, elastic_stream_name, go_json, member_filter_subjects, ownership, static_consumer_name,
-    validate_membership, ElasticGroupConfig, MemberMapping, StaticGroupConfig, ELASTIC_BUCKET, PRIORITY_GROUP,
-    STATIC_BUCKET,
+    config_key, elastic_stream_name, go_json, static_consumer_name, validate_membership, ElasticGroupConfig,
+    MemberMapping, ELASTIC_BUCKET, PRIORITY_GROUP, STATIC_BUCKET,
 };
-use super::spec::{GroupConfig, GroupKind, PartitioningFilterSpec};
-use super::view::{GroupSummary, GroupView, MemberState, MembershipView, OwnedPartitions, PartitionPending};
+use super::inspect::membership_view;
+use super::spec::{consumer_of, GroupConfig, GroupKind};
+use super::store::{
+    cas_error, config_bytes, sorted, GroupAdmin, GroupSettings, StoredGroup, CAS_ATTEMPTS, SETTINGS_BUCKET,
+};
+use super::view::MembershipView;
 use crate::error::ApiError;
 use crate::names::{GroupName, MemberName, StreamName};
-use crate::nats::errors::{is_not_found, jetstream_error_code, stream_read_error, unavailable_or_internal};
+use crate::nats::errors::{is_not_found, jetstream_error_code, unavailable_or_internal};
 use crate::partition::{PartitionSpec, SubjectPattern, TransformSpelling};
-
-/// keygate's own bucket for per-group settings pcgroups does not store
-/// (a Go read-modify-write of the pcgroups value would drop them).
-pub const SETTINGS_BUCKET: &str = "keygate-groups";
-/// Ack wait when a group does not set one (pcgroups' default).
-pub const DEFAULT_ACK_WAIT_MS: u64 = 5_000;
-const CAS_ATTEMPTS: usize = 32;
-
-/// Per-group settings kept in keygate's own bucket.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
-pub struct GroupSettings {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ack_wait_ms: Option<u64>,
-}
-
-/// A group as read from its bucket.
-#[derive(Debug, Clone)]
-pub struct StoredGroup {
-    pub config: GroupConfig,
-    pub raw: Bytes,
-    pub revision: u64,
-}
 
 /// Whether `PUT` created, found or changed the group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,99 +31,7 @@ pub enum PutOutcome {
     Updated,
 }
 
-/// Group administration over one JetStream context.
-#[derive(Clone)]
-pub struct GroupAdmin {
-    js: jetstream::Context,
-}
-
 impl GroupAdmin {
-    /// Administration through `js`.
-    pub fn new(js: jetstream::Context) -> Self {
-        Self { js }
-    }
-
-    async fn bucket(&self, name: &str) -> Result<Option<kv::Store>, ApiError> {
-        match self.js.get_key_value(name).await {
-            Ok(store) => Ok(Some(store)),
-            Err(e) if is_not_found(&e) => Ok(None),
-            Err(e) => Err(unavailable_or_internal("reading KV bucket", e)),
-        }
-    }
-
-    async fn bucket_or_create(&self, name: &str, replicas: usize) -> Result<kv::Store, ApiError> {
-        if let Some(store) = self.bucket(name).await? {
-            return Ok(store);
-        }
-        let config = kv::Config {
-            bucket: name.to_owned(),
-            history: 1,
-            storage: stream::StorageType::File,
-            num_replicas: replicas.max(1),
-            ..Default::default()
-        };
-        match self.js.create_key_value(config).await {
-            Ok(store) => Ok(store),
-            Err(create_err) => match self.bucket(name).await? {
-                Some(store) => Ok(store),
-                None => Err(unavailable_or_internal("creating KV bucket", create_err)),
-            },
-        }
-    }
-
-    async fn stream_info(&self, stream: &str) -> Result<stream::Info, ApiError> {
-        match self.js.get_stream(stream).await {
-            // Deleted between the two requests: as unknown as never created.
-            Ok(mut s) => s.info().await.cloned().map_err(|e| stream_read_error(stream, e)),
-            Err(e) => Err(stream_read_error(stream, e)),
-        }
-    }
-
-    async fn read(&self, kind: GroupKind, stream: &str, group: &str) -> Result<Option<StoredGroup>, ApiError> {
-        let bucket = match kind {
-            GroupKind::Static => STATIC_BUCKET,
-            GroupKind::Elastic => ELASTIC_BUCKET,
-        };
-        let Some(store) = self.bucket(bucket).await? else { return Ok(None) };
-        let entry =
-            store.entry(config_key(stream, group)).await.map_err(|e| unavailable_or_internal("reading group", e))?;
-        let Some(entry) = entry else { return Ok(None) };
-        // A delete or purge marker means the group is gone (pcgroups misses purges).
-        if entry.operation != kv::Operation::Put {
-            return Ok(None);
-        }
-        let config = parse_stored(kind, &entry.value).map_err(|why| {
-            ApiError::Unprocessable(format!(
-                "group {group} on {stream} has an invalid {} configuration: {why}",
-                kind.as_str()
-            ))
-        })?;
-        Ok(Some(StoredGroup { config, raw: entry.value, revision: entry.revision }))
-    }
-
-    /// Loads a group; `kind` disambiguates a name used by both flavours.
-    pub async fn load(
-        &self,
-        stream: &StreamName,
-        group: &GroupName,
-        kind: Option<GroupKind>,
-    ) -> Result<StoredGroup, ApiError> {
-        let kinds: Vec<GroupKind> = kind.map_or_else(|| vec![GroupKind::Static, GroupKind::Elastic], |k| vec![k]);
-        let mut found = Vec::new();
-        for k in kinds {
-            if let Some(g) = self.read(k, stream.as_str(), group.as_str()).await? {
-                found.push(g);
-            }
-        }
-        match found.len() {
-            0 => Err(ApiError::NotFound(format!("group {group} not found on stream {stream}"))),
-            1 => Ok(found.remove(0)),
-            _ => Err(ApiError::Conflict(format!(
-                "group {group} exists as both a static and an elastic group on {stream}; add ?kind=static or ?kind=elastic"
-            ))),
-        }
-    }
-
     /// Creates a group, or confirms an identical one exists. An elastic
     /// group's membership may differ: it is then updated. Everything is
     /// checked before anything is written, so a refused request changes
@@ -165,8 +52,11 @@ impl GroupAdmin {
         };
         if self.read(other, stream.as_str(), group.as_str()).await?.is_some() {
             return Err(ApiError::Conflict(format!(
-                "group {group} already exists on {stream} as an {} group; delete it first",
-                other.as_str()
+                "group {group} already exists on {stream} as {} group; delete it first",
+                match other {
+                    GroupKind::Static => "a static",
+                    GroupKind::Elastic => "an elastic",
+                }
             )));
         }
         let key = config_key(stream.as_str(), group.as_str());
@@ -336,52 +226,6 @@ impl GroupAdmin {
                 unavailable_or_internal("creating the group's work-queue stream", e)
             }
         })
-    }
-
-    /// keygate's settings of a group (defaults when none are stored).
-    pub async fn settings(&self, stream: &StreamName, group: &GroupName) -> Result<GroupSettings, ApiError> {
-        let Some(store) = self.bucket(SETTINGS_BUCKET).await? else { return Ok(GroupSettings::default()) };
-        let value = store
-            .get(config_key(stream.as_str(), group.as_str()))
-            .await
-            .map_err(|e| unavailable_or_internal("reading group settings", e))?;
-        Ok(value.and_then(|v| serde_json::from_slice(&v).ok()).unwrap_or_default())
-    }
-
-    /// Groups on a stream, both flavours, sorted by name.
-    pub async fn list(&self, stream: &StreamName) -> Result<Vec<GroupSummary>, ApiError> {
-        self.stream_info(stream.as_str()).await?;
-        let mut out: Vec<GroupSummary> = self
-            .list_all()
-            .await?
-            .into_iter()
-            .filter(|(s, _, _)| s == stream)
-            .map(|(_, group, kind)| GroupSummary { group: group.to_string(), kind })
-            .collect();
-        out.sort_by(|a, b| a.group.cmp(&b.group));
-        Ok(out)
-    }
-
-    /// Every group on every stream, by the keys of both configuration buckets.
-    pub async fn list_all(&self) -> Result<Vec<(StreamName, GroupName, GroupKind)>, ApiError> {
-        let mut out = Vec::new();
-        for (kind, bucket) in [(GroupKind::Static, STATIC_BUCKET), (GroupKind::Elastic, ELASTIC_BUCKET)] {
-            let Some(store) = self.bucket(bucket).await? else { continue };
-            let keys: Vec<String> = store
-                .keys()
-                .await
-                .map_err(|e| unavailable_or_internal("listing groups", e))?
-                .try_collect()
-                .await
-                .map_err(|e| unavailable_or_internal("listing groups", e))?;
-            for key in keys {
-                let Some((s, g)) = key.split_once('.') else { continue };
-                if let (Ok(stream), Ok(group)) = (StreamName::parse(s), GroupName::parse(g)) {
-                    out.push((stream, group, kind));
-                }
-            }
-        }
-        Ok(out)
     }
 
     /// Deletes a group: its configuration, its member consumers (static) or
@@ -558,237 +402,6 @@ impl GroupAdmin {
             }
         })
     }
-
-    /// The full view of a group: configuration, ownership, pins and backlog.
-    pub async fn view(
-        &self,
-        stream: &StreamName,
-        group: &GroupName,
-        kind: Option<GroupKind>,
-    ) -> Result<GroupView, ApiError> {
-        let stored = self.load(stream, group, kind).await?;
-        let settings = self.settings(stream, group).await?;
-        let config = &stored.config;
-        let partitions = config.partitions();
-        let owners = ownership(partitions, config.members(), config.mappings());
-        let mut assignment = Vec::with_capacity(owners.len());
-        let mut floors: BTreeMap<String, u64> = BTreeMap::new();
-        for (member, owned) in &owners {
-            let (stream_name, consumer) = consumer_of(config, stream.as_str(), group.as_str(), member);
-            let info = self.consumer_info(&stream_name, &consumer).await?;
-            let state = match info {
-                Some(info) => {
-                    floors.insert(member.clone(), info.ack_floor.stream_sequence);
-                    let pin = info.priority_groups.iter().find(|g| g.group == PRIORITY_GROUP);
-                    MemberState {
-                        member: member.clone(),
-                        partitions: owned.clone(),
-                        consumer,
-                        consumer_exists: true,
-                        active: match config.kind() {
-                            GroupKind::Static => info.num_waiting > 0,
-                            GroupKind::Elastic => true,
-                        },
-                        waiting_pulls: info.num_waiting,
-                        pinned_client_id: pin.and_then(|p| p.pinned_client_id.clone()).filter(|id| !id.is_empty()),
-                        pinned_since: pin.and_then(|p| p.pinned_ts),
-                        num_pending: info.num_pending,
-                        num_ack_pending: info.num_ack_pending,
-                        serving_instance: None,
-                        fencing_token: None,
-                        instances: Vec::new(),
-                    }
-                }
-                None => MemberState {
-                    member: member.clone(),
-                    partitions: owned.clone(),
-                    consumer,
-                    consumer_exists: false,
-                    active: false,
-                    waiting_pulls: 0,
-                    pinned_client_id: None,
-                    pinned_since: None,
-                    num_pending: 0,
-                    num_ack_pending: 0,
-                    serving_instance: None,
-                    fencing_token: None,
-                    instances: Vec::new(),
-                },
-            };
-            assignment.push(state);
-        }
-        let owner_of: BTreeMap<u32, String> =
-            owners.iter().flat_map(|(m, ps)| ps.iter().map(move |p| (*p, m.clone()))).collect();
-        // Backlog is best effort: a GET still answers when it cannot be counted.
-        let counted = match config {
-            GroupConfig::Static(c) => {
-                let floor_of: BTreeMap<u32, u64> = (0..partitions)
-                    .map(|p| (p, owner_of.get(&p).and_then(|m| floors.get(m)).copied().unwrap_or(0)))
-                    .collect();
-                self.static_pending(stream.as_str(), c, &floor_of).await
-            }
-            GroupConfig::Elastic(_) => {
-                self.subject_counts(&elastic_stream_name(stream.as_str(), group.as_str()), partitions).await
-            }
-        };
-        let pending = match counted {
-            Ok(counts) => Some(counts),
-            Err(e) => {
-                tracing::warn!(error = %e, %stream, %group, "could not count the group's backlog");
-                None
-            }
-        };
-        let partition_pending = (0..partitions)
-            .map(|p| PartitionPending {
-                partition: p,
-                member: owner_of.get(&p).cloned(),
-                pending: pending.as_ref().map(|counts| counts.get(&p).copied().unwrap_or(0)),
-            })
-            .collect();
-        let raw: serde_json::Value = serde_json::from_slice(&stored.raw).unwrap_or(serde_json::Value::Null);
-        let mut view = GroupView {
-            stream: stream.to_string(),
-            group: group.to_string(),
-            kind: config.kind(),
-            partitions,
-            members: config.members().to_vec(),
-            mappings: mappings_view(config.mappings()),
-            filters: None,
-            partitioning_filters: None,
-            max_buffered_msgs: None,
-            max_buffered_bytes: None,
-            work_queue_stream: None,
-            ack_wait_ms: settings.ack_wait_ms.unwrap_or(DEFAULT_ACK_WAIT_MS),
-            revision: stored.revision,
-            config: raw,
-            assignment,
-            partition_pending,
-            blocked: Vec::new(),
-        };
-        match config {
-            GroupConfig::Static(c) => view.filters = Some(c.filters.clone()),
-            GroupConfig::Elastic(c) => {
-                view.partitioning_filters = Some(c.partitioning_filters.as_ref().map(|list| {
-                    list.iter()
-                        .map(|pf| PartitioningFilterSpec {
-                            filter: pf.filter.clone(),
-                            wildcards: pf.partitioning_wildcards.clone(),
-                        })
-                        .collect()
-                }));
-                view.max_buffered_msgs = Some(c.max_buffered_msgs);
-                view.max_buffered_bytes = Some(c.max_buffered_bytes);
-                view.work_queue_stream = Some(elastic_stream_name(stream.as_str(), group.as_str()));
-            }
-        }
-        Ok(view)
-    }
-
-    async fn consumer_info(&self, stream: &str, consumer: &str) -> Result<Option<jetstream::consumer::Info>, ApiError> {
-        let handle = match self.js.get_stream_no_info(stream).await {
-            Ok(h) => h,
-            Err(e) => return Err(unavailable_or_internal("reading consumer", e)),
-        };
-        match handle.consumer_info(consumer).await {
-            Ok(info) => Ok(Some(info)),
-            Err(e) if is_not_found(&e) => Ok(None),
-            Err(e) => Err(unavailable_or_internal("reading consumer", e)),
-        }
-    }
-
-    /// Recounts a static group's backlog for partitions whose serving
-    /// instance reports a higher floor than the consumer's ack floor (which
-    /// one un-acked message of another partition holds back).
-    pub async fn recount_static_pending(
-        &self,
-        view: &mut GroupView,
-        instance_floors: &BTreeMap<u32, u64>,
-    ) -> Result<(), ApiError> {
-        if view.kind != GroupKind::Static || instance_floors.is_empty() {
-            return Ok(());
-        }
-        let stream = StreamName::parse(&view.stream)?;
-        let group = GroupName::parse(&view.group)?;
-        let GroupConfig::Static(config) = self.load(&stream, &group, Some(GroupKind::Static)).await?.config else {
-            return Ok(());
-        };
-        let counts = self.static_pending(stream.as_str(), &config, instance_floors).await?;
-        for entry in &mut view.partition_pending {
-            if let Some(count) = counts.get(&entry.partition) {
-                entry.pending = Some(entry.pending.map_or(*count, |old| old.min(*count)));
-            }
-        }
-        Ok(())
-    }
-
-    /// A static group's backlog per partition: messages of the partition
-    /// after the given floor, counted by the server through a short-lived
-    /// consumer starting there.
-    async fn static_pending(
-        &self,
-        stream: &str,
-        config: &StaticGroupConfig,
-        floor_of: &BTreeMap<u32, u64>,
-    ) -> Result<BTreeMap<u32, u64>, ApiError> {
-        let handle =
-            self.js.get_stream_no_info(stream).await.map_err(|e| unavailable_or_internal("reading stream", e))?;
-        let counts = futures::stream::iter(floor_of.clone())
-            .map(|(p, floor)| {
-                let handle = handle.clone();
-                let filters: Vec<String> = if config.filters.is_empty() || !config.member_mappings.is_empty() {
-                    vec![format!("{p}.>")]
-                } else {
-                    config.filters.iter().map(|f| format!("{p}.{f}")).collect()
-                };
-                async move {
-                    let counter = jetstream::consumer::pull::Config {
-                        filter_subjects: filters,
-                        deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
-                            start_sequence: floor + 1,
-                        },
-                        ack_policy: jetstream::consumer::AckPolicy::None,
-                        inactive_threshold: Duration::from_secs(10),
-                        memory_storage: true,
-                        ..Default::default()
-                    };
-                    let mut consumer = handle
-                        .create_consumer(counter)
-                        .await
-                        .map_err(|e| unavailable_or_internal("counting backlog", e))?;
-                    let info =
-                        consumer.info().await.map_err(|e| unavailable_or_internal("counting backlog", e))?.clone();
-                    let _ = handle.delete_consumer(&info.name).await;
-                    Ok::<_, ApiError>((p, info.num_pending))
-                }
-            })
-            .buffer_unordered(16)
-            .try_collect::<BTreeMap<u32, u64>>()
-            .await?;
-        Ok(counts)
-    }
-
-    /// Messages a stream stores per leading partition token: an elastic
-    /// group's backlog (what is left in its work-queue stream).
-    async fn subject_counts(&self, wq_stream: &str, partitions: u32) -> Result<BTreeMap<u32, u64>, ApiError> {
-        let handle = match self.js.get_stream(wq_stream).await {
-            Ok(h) => h,
-            Err(e) if is_not_found(&e) => return Ok(BTreeMap::new()),
-            Err(e) => return Err(unavailable_or_internal("reading work-queue stream", e)),
-        };
-        let mut counts = BTreeMap::new();
-        if handle.cached_info().state.messages == 0 {
-            return Ok(counts);
-        }
-        let mut subjects =
-            handle.info_with_subjects(">").await.map_err(|e| unavailable_or_internal("counting backlog", e))?;
-        while let Some(item) = subjects.next().await {
-            let (subject, count) = item.map_err(|e| unavailable_or_internal("counting backlog", e))?;
-            if let Some(p) = subject.split('.').next().and_then(|t| t.parse::<u32>().ok()).filter(|p| *p < partitions) {
-                *counts.entry(p).or_insert(0) += count as u64;
-            }
-        }
-        Ok(counts)
-    }
 }
 
 /// What `PUT` of an existing group does.
@@ -879,72 +492,6 @@ fn check_elastic_filters(info: &stream::Info, config: &ElasticGroupConfig) -> Re
     Ok(())
 }
 
-/// Parses and validates a stored configuration.
-pub fn parse_stored(kind: GroupKind, raw: &[u8]) -> Result<GroupConfig, String> {
-    let config = match kind {
-        GroupKind::Static => GroupConfig::Static(serde_json::from_slice(raw).map_err(|e| e.to_string())?),
-        GroupKind::Elastic => GroupConfig::Elastic(serde_json::from_slice(raw).map_err(|e| e.to_string())?),
-    };
-    validate_membership(config.partitions(), config.members(), config.mappings()).map_err(|e| e.to_string())?;
-    Ok(config)
-}
-
-fn config_bytes(config: &GroupConfig) -> Bytes {
-    Bytes::from(match config {
-        GroupConfig::Static(c) => go_json(c),
-        GroupConfig::Elastic(c) => go_json(c),
-    })
-}
-
-fn sorted(items: &[String]) -> Vec<String> {
-    let mut v = items.to_vec();
-    v.sort();
-    v.dedup();
-    v
-}
-
-fn cas_error(what: &str, e: kv::UpdateError) -> ApiError {
-    if e.kind() == kv::UpdateErrorKind::WrongLastRevision {
-        ApiError::Conflict("the group changed concurrently; read it again and retry".into())
-    } else {
-        unavailable_or_internal(what, e)
-    }
-}
-
-/// The stream and consumer that serve `member`.
-pub fn consumer_of(config: &GroupConfig, stream: &str, group: &str, member: &str) -> (String, String) {
-    match config.kind() {
-        GroupKind::Static => (stream.to_owned(), static_consumer_name(group, member)),
-        GroupKind::Elastic => (elastic_stream_name(stream, group), member.to_owned()),
-    }
-}
-
-/// The filter subjects `member`'s consumer uses, in pcgroups' order.
-pub fn filter_subjects_of(config: &GroupConfig, member: &str) -> Vec<String> {
-    member_filter_subjects(config.partitions(), config.members(), config.mappings(), &config.consumer_filters(), member)
-}
-
-fn mappings_view(mappings: &[MemberMapping]) -> Option<Vec<OwnedPartitions>> {
-    (!mappings.is_empty()).then(|| {
-        mappings
-            .iter()
-            .map(|m| OwnedPartitions { member: m.member.clone(), partitions: m.partitions.clone().unwrap_or_default() })
-            .collect()
-    })
-}
-
-fn membership_view(config: &GroupConfig, revision: u64) -> MembershipView {
-    MembershipView {
-        members: config.members().to_vec(),
-        mappings: mappings_view(config.mappings()),
-        ownership: ownership(config.partitions(), config.members(), config.mappings())
-            .into_iter()
-            .map(|(member, partitions)| OwnedPartitions { member, partitions })
-            .collect(),
-        revision,
-    }
-}
-
 /// A static group needs a stream stamped with the same partition count.
 fn check_static_stream(info: &stream::Info, partitions: u32) -> Result<(), ApiError> {
     let stamped = info.config.subject_transform.as_ref().and_then(|t| PartitionSpec::from_transform(&t.destination));
@@ -966,5 +513,61 @@ fn check_static_stream(info: &stream::Info, partitions: u32) -> Result<(), ApiEr
                 )))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn elastic(json: &str) -> GroupConfig {
+        super::super::store::parse_stored(GroupKind::Elastic, json.as_bytes()).unwrap()
+    }
+
+    fn fixed(json: &str) -> GroupConfig {
+        super::super::store::parse_stored(GroupKind::Static, json.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn the_partition_count_filters_and_kind_never_change() {
+        let have = fixed(r#"{"max_members":4,"filters":["a.*"],"members":["m1"]}"#);
+        for want in [
+            fixed(r#"{"max_members":5,"filters":["a.*"],"members":["m1"]}"#),
+            fixed(r#"{"max_members":4,"filters":["b.*"],"members":["m1"]}"#),
+            elastic(r#"{"max_members":4,"partitioning_filters":null}"#),
+        ] {
+            assert!(matches!(plan_reconcile(&have, &want, false), Err(ApiError::Conflict(_))), "{want:?}");
+        }
+    }
+
+    #[test]
+    fn a_static_groups_membership_is_fixed_unless_the_put_leaves_it_out() {
+        let have = fixed(r#"{"max_members":4,"members":["m1","m2"]}"#);
+        let other = fixed(r#"{"max_members":4,"members":["m1","m3"]}"#);
+        assert_eq!(plan_reconcile(&have, &other, false).unwrap(), Reconcile::Unchanged);
+        assert!(matches!(plan_reconcile(&have, &other, true), Err(ApiError::Conflict(_))));
+        assert_eq!(plan_reconcile(&have, &have, true).unwrap(), Reconcile::Unchanged);
+    }
+
+    #[test]
+    fn an_elastic_groups_membership_is_reconciled_in_any_order() {
+        let have =
+            elastic(r#"{"max_members":4,"partitioning_filters":null,"max_buffered_msg":10,"members":["a","b"]}"#);
+        let reordered =
+            elastic(r#"{"max_members":4,"partitioning_filters":null,"max_buffered_msg":10,"members":["b","a"]}"#);
+        assert_eq!(plan_reconcile(&have, &reordered, true).unwrap(), Reconcile::Unchanged);
+        let grown =
+            elastic(r#"{"max_members":4,"partitioning_filters":null,"max_buffered_msg":10,"members":["a","b","c"]}"#);
+        match plan_reconcile(&have, &grown, true).unwrap() {
+            Reconcile::Membership(next) => {
+                assert_eq!(next.members, ["a", "b", "c"]);
+                assert_eq!(next.max_buffered_msgs, 10, "the rest of the stored value is kept");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(plan_reconcile(&have, &grown, false).unwrap(), Reconcile::Unchanged, "membership not given");
+        let buffered =
+            elastic(r#"{"max_members":4,"partitioning_filters":null,"max_buffered_msg":11,"members":["a","b"]}"#);
+        assert!(matches!(plan_reconcile(&have, &buffered, true), Err(ApiError::Conflict(_))));
     }
 }

@@ -1,11 +1,13 @@
 //! Partitioned consumer groups, wire-compatible with Go's pcgroups.
 
 pub mod admin;
-pub mod backlog;
 pub mod config;
+mod inspect;
+mod pending;
 pub mod source_watch;
 pub mod spec;
+pub mod store;
 pub mod view;
 
-pub use admin::GroupAdmin;
 pub use spec::{GroupConfig, GroupKind, GroupSpec};
+pub use store::GroupAdmin;

@@ -14,8 +14,8 @@ use async_nats::jetstream;
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
-use super::admin::GroupAdmin;
 use super::config::elastic_stream_name;
+use super::GroupAdmin;
 use super::GroupKind;
 
 /// How often the work-queue streams are checked.

@@ -5,8 +5,9 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use super::config::{
-    validate_membership, validate_partitioning_filters, validate_static_filters, ElasticGroupConfig, MemberMapping,
-    PartitioningFilter, StaticGroupConfig,
+    elastic_stream_name, member_filter_subjects, static_consumer_name, validate_membership,
+    validate_partitioning_filters, validate_static_filters, ElasticGroupConfig, MemberMapping, PartitioningFilter,
+    StaticGroupConfig,
 };
 use crate::error::ApiError;
 use crate::names::MemberName;
@@ -91,6 +92,23 @@ pub struct GroupSpec {
     #[serde(default)]
     #[schema(minimum = 1)]
     pub ack_wait_ms: Option<u64>,
+}
+
+impl GroupSpec {
+    /// A group of `kind` with `partitions`, everything else left to its default.
+    pub fn new(kind: GroupKind, partitions: u32) -> Self {
+        Self {
+            kind,
+            partitions,
+            members: None,
+            mappings: None,
+            filters: None,
+            partitioning_filters: None,
+            max_buffered_msgs: None,
+            max_buffered_bytes: None,
+            ack_wait_ms: None,
+        }
+    }
 }
 
 /// A validated group, ready to store.
@@ -214,6 +232,19 @@ impl GroupSpec {
             }
         }
     }
+}
+
+/// The stream and consumer that serve `member`.
+pub fn consumer_of(config: &GroupConfig, stream: &str, group: &str, member: &str) -> (String, String) {
+    match config.kind() {
+        GroupKind::Static => (stream.to_owned(), static_consumer_name(group, member)),
+        GroupKind::Elastic => (elastic_stream_name(stream, group), member.to_owned()),
+    }
+}
+
+/// The filter subjects `member`'s consumer uses, in pcgroups' order.
+pub fn filter_subjects_of(config: &GroupConfig, member: &str) -> Vec<String> {
+    member_filter_subjects(config.partitions(), config.members(), config.mappings(), &config.consumer_filters(), member)
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@ use crate::groups::spec::Mapping;
 use crate::groups::view::{GroupSummary, GroupView, MembershipView};
 use crate::groups::{GroupKind, GroupSpec};
 use crate::member::control::{ask, BlockedPartition, Control};
-use crate::member::instance::MemberRef;
+use crate::member_ref::MemberRef;
 use crate::names::{GroupName, MemberName, StreamName};
 
 /// Picks the flavour when a name is used by both.
@@ -94,7 +94,7 @@ pub async fn get_group(
     Path((stream, group)): Path<(StreamName, GroupName)>,
     Query(query): Query<KindQuery>,
 ) -> Result<Json<GroupView>, ApiError> {
-    let view = crate::member::observe::observe(&state.groups, &state.nats, &stream, &group, query.kind, true).await?;
+    let view = crate::status::observe::observe(&state.groups, &state.nats, &stream, &group, query.kind, true).await?;
     Ok(Json(view))
 }
 

@@ -17,12 +17,14 @@ use utoipa::IntoParams;
 
 use super::extract::{Path, Query};
 use crate::app::AppState;
+use crate::consumers::subscriber::{serve_consumer, ConsumerTarget};
 use crate::delivery::endpoint::Endpoint;
+use crate::delivery::frames::{ClientFrame, ServerFrame};
 use crate::delivery::webhook::Backoff;
-use crate::delivery::websocket::{ClientFrame, ServerFrame, SocketEndpoint};
+use crate::delivery::websocket::SocketEndpoint;
 use crate::error::{ApiError, Problem};
-use crate::member::instance::{serve_member, MemberRef};
-use crate::member::subscriber::{serve_consumer, ConsumerTarget};
+use crate::member::instance::serve_member;
+use crate::member_ref::MemberRef;
 use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
 
 /// The subprotocol keygate speaks (offered by clients that also pass their
@@ -289,7 +291,7 @@ async fn serve_connection(
                 if send(&mut sink, &frame).await.is_err() { break (1011, "") }
             }
             event = next_event(&mut events) => {
-                if let Some(frame) = event.and_then(|e| SocketEndpoint::event_frame(&e.payload)) {
+                if let Some(frame) = event.and_then(|e| ServerFrame::event_from_json(&e.payload)) {
                     if send(&mut sink, &frame).await.is_err() { break (1011, "") }
                 }
             }

@@ -6,7 +6,15 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::instance::MemberRef;
+use crate::member_ref::MemberRef;
+
+/// Members' control subjects, `<prefix><stream>.<group>.<member>`.
+pub const CONTROL_PREFIX: &str = "keygate.control.";
+
+/// The subject control requests for `who` go to.
+pub fn control_subject(who: &MemberRef) -> String {
+    format!("{CONTROL_PREFIX}{}.{}.{}", who.stream, who.group, who.member)
+}
 
 /// A control request to the instance that holds a member's pin.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -66,7 +74,7 @@ pub async fn roll_call(nats: &async_nats::Client, who: &MemberRef, window: Durat
     let inbox = nats.new_inbox();
     let Ok(mut answers) = nats.subscribe(inbox.clone()).await else { return Vec::new() };
     let payload = serde_json::to_vec(&Control::RollCall).unwrap_or_default();
-    if nats.publish_with_reply(who.control_subject(), inbox, payload.into()).await.is_err() {
+    if nats.publish_with_reply(control_subject(who), inbox, payload.into()).await.is_err() {
         return Vec::new();
     }
     let mut replies = Vec::new();
@@ -84,7 +92,7 @@ pub async fn roll_call(nats: &async_nats::Client, who: &MemberRef, window: Durat
 pub async fn ask(nats: &async_nats::Client, who: &MemberRef, control: &Control) -> Option<ControlReply> {
     let payload = serde_json::to_vec(control).ok()?;
     let reply =
-        tokio::time::timeout(Duration::from_millis(750), nats.request(who.control_subject(), payload.into())).await;
+        tokio::time::timeout(Duration::from_millis(750), nats.request(control_subject(who), payload.into())).await;
     match reply {
         Ok(Ok(message)) => serde_json::from_slice(&message.payload).ok(),
         _ => None,

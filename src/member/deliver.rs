@@ -5,32 +5,18 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, AckKind};
+use async_nats::jetstream::AckKind;
 
-use super::instance::{InstanceContext, MemberRef};
+use super::context::InstanceContext;
 use super::lanes::{Settled, Settlement};
 use crate::delivery::dead_letter::{self, DeadLetter};
 use crate::delivery::endpoint::Endpoint;
 use crate::delivery::header_safe;
+use crate::delivery::message::{forwardable, Delivered, Held};
 use crate::delivery::verdict::{backoff, Judgement, Verdict};
 use crate::delivery::webhook::Outbound;
-use crate::events::{Event, EventType};
-
-/// A message delivered to this instance.
-#[derive(Debug)]
-pub struct Delivered {
-    pub message: jetstream::Message,
-    pub partition: u32,
-    pub stream_seq: u64,
-    pub attempt: u64,
-    pub subject: String,
-    pub key: Option<String>,
-    pub origin_stream: String,
-    pub origin_seq: u64,
-}
-
-/// A delivered message, shared by its lane and its delivery.
-pub type Held = Arc<Delivered>;
+use crate::events::{About, Event};
+use crate::member_ref::MemberRef;
 
 /// What lets a message leave its consumer. Nothing else does: every ack and
 /// term keygate sends goes through [`remove`] with one of these
@@ -76,47 +62,6 @@ pub struct Outcome {
     pub events: Vec<Event>,
     /// The endpoint answered 410 Gone.
     pub gone: bool,
-}
-
-/// The origin stream and sequence of a message: an elastic group's
-/// work-queue copy names its source in `Nats-Stream-Source`.
-/// Whether a message header may go to the endpoint: not NATS's own, not
-/// keygate's or the signature's, not one that frames the HTTP request, and
-/// no credentials: the signature does not cover headers, so an endpoint
-/// trusting a forwarded `Authorization` would act for whoever published.
-pub(crate) fn forwardable(name: &str) -> bool {
-    let lower = name.to_ascii_lowercase();
-    const NEVER_FORWARDED: [&str; 12] = [
-        "authorization",
-        "cookie",
-        "set-cookie",
-        "host",
-        "content-length",
-        "transfer-encoding",
-        "connection",
-        "te",
-        "upgrade",
-        "trailer",
-        "keep-alive",
-        "proxy-connection",
-    ];
-    !(lower.starts_with("nats-")
-        || lower.starts_with("keygate-")
-        || lower.starts_with("webhook-")
-        || lower.starts_with("proxy-")
-        || NEVER_FORWARDED.contains(&lower.as_str()))
-}
-
-pub fn origin_of(message: &jetstream::Message, stream: &str, seq: u64) -> (String, u64) {
-    let source = message.headers.as_ref().and_then(|h| h.get("Nats-Stream-Source")).map(|v| v.to_string());
-    if let Some(source) = source {
-        let mut parts = source.split_whitespace();
-        if let (Some(name), Some(origin_seq)) = (parts.next(), parts.next().and_then(|s| s.parse().ok())) {
-            let name = name.split(':').next().unwrap_or(name);
-            return (name.to_owned(), origin_seq);
-        }
-    }
-    (stream.to_owned(), seq)
 }
 
 fn outbound(who: &MemberRef, held: &Delivered, fencing: u64) -> Outbound {
@@ -172,13 +117,7 @@ pub async fn deliver(
     if held.attempt > 1 {
         metrics::counter!(crate::metrics::REDELIVERIES, &labels).increment(1);
     }
-    let event = |t: EventType| {
-        let mut e = who.event(&ctx, t);
-        e.partition = Some(held.partition);
-        e.seq = Some(held.origin_seq);
-        e.attempt = Some(held.attempt);
-        e
-    };
+    let about = ctx.about(&who);
     let mut events = Vec::new();
     let retry = |delay: Option<Duration>| {
         delay.unwrap_or_else(|| {
@@ -193,25 +132,16 @@ pub async fn deliver(
             if let Err(e) = remove(&held, Because::EndpointAcked(&judgement)).await {
                 tracing::debug!(error = %e, "ack not sent");
             }
-            let mut e = event(EventType::MessageAcked);
-            e.reason = Some(judgement.reason.clone());
-            events.push(e);
+            events.push(Event::message_acked(about, held.at(), &judgement.reason));
             Settled::Done(Settlement::Acked)
         }
         Verdict::Nak { .. } | Verdict::Progress if held.attempt >= endpoint.max_attempts() => {
             let reason = format!("gave up after {} attempts: {}", held.attempt, judgement.reason);
-            terminate(&ctx, &who, &held, &reason, retry(None), &mut events, event(EventType::MessageNaked)).await
+            terminate(&ctx, &who, &held, &reason, retry(None), &mut events).await
         }
-        Verdict::Nak { delay } => {
-            nak(&held, retry(delay), &judgement.reason, "", &mut events, event(EventType::MessageNaked)).await
-        }
-        Verdict::Progress => {
-            nak(&held, retry(None), &judgement.reason, "", &mut events, event(EventType::MessageNaked)).await
-        }
-        Verdict::Term => {
-            terminate(&ctx, &who, &held, &judgement.reason, retry(None), &mut events, event(EventType::MessageNaked))
-                .await
-        }
+        Verdict::Nak { delay } => nak(about, &held, retry(delay), &judgement.reason, &mut events).await,
+        Verdict::Progress => nak(about, &held, retry(None), &judgement.reason, &mut events).await,
+        Verdict::Term => terminate(&ctx, &who, &held, &judgement.reason, retry(None), &mut events).await,
     };
     let verdict = match &settled {
         Settled::Done(Settlement::Acked) => "ack",
@@ -233,33 +163,22 @@ async fn terminate(
     reason: &str,
     retry_in: Duration,
     events: &mut Vec<Event>,
-    naked: Event,
 ) -> Settled {
     match dead_letter_and_term(ctx, who, held, reason).await {
         Ok(mut done) => {
             events.append(&mut done);
             Settled::Done(Settlement::Terminated)
         }
-        Err(err) => nak(held, retry_in, reason, &err.to_string(), events, naked).await,
+        Err(err) => nak(ctx.about(who), held, retry_in, &format!("{reason} ({err})"), events).await,
     }
 }
 
-async fn nak(
-    held: &Delivered,
-    delay: Duration,
-    reason: &str,
-    extra: &str,
-    events: &mut Vec<Event>,
-    mut event: Event,
-) -> Settled {
+async fn nak(about: About<'_>, held: &Delivered, delay: Duration, error: &str, events: &mut Vec<Event>) -> Settled {
     if let Err(e) = held.message.ack_with(AckKind::Nak(Some(delay))).await {
         tracing::debug!(error = %e, "nak not sent");
     }
-    let error = if extra.is_empty() { reason.to_owned() } else { format!("{reason} ({extra})") };
-    event.delay_ms = Some(delay.as_millis() as u64);
-    event.reason = Some(error.clone());
-    events.push(event);
-    Settled::Naked { attempts: held.attempt, error }
+    events.push(Event::message_naked(about, held.at(), delay, error));
+    Settled::Naked { attempts: held.attempt, error: error.to_owned() }
 }
 
 /// Copies the message to the dead-letter stream, then terminates it: it is
@@ -291,39 +210,9 @@ pub async fn dead_letter_and_term(
     remove(held, Because::DeadLettered(&stored)).await.map_err(|e| anyhow::anyhow!("terminating: {e}"))?;
     metrics::counter!(crate::metrics::DEAD_LETTERS, "stream" => who.stream.to_string(), "group" => who.group.to_string())
         .increment(1);
-    let mut out = Vec::new();
-    for t in [EventType::MessageTerminated, EventType::MessageDeadLettered] {
-        let mut e = who.event(ctx, t);
-        e.partition = Some(held.partition);
-        e.seq = Some(held.origin_seq);
-        e.attempt = Some(held.attempt);
-        e.reason = Some(reason.to_owned());
-        out.push(e);
-    }
-    Ok(out)
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn only_the_messages_own_headers_are_forwarded() {
-        for kept in ["X-Trace", "content-type", "Authorization-Context", "traceparent"] {
-            assert!(super::forwardable(kept), "{kept}");
-        }
-        for dropped in [
-            "nats-msg-id",
-            "Nats-Pin-Id",
-            "Host",
-            "content-length",
-            "Transfer-Encoding",
-            "webhook-signature",
-            "KEYGATE-key",
-            "Connection",
-            "proxy-authorization",
-            "Authorization",
-            "cookie",
-        ] {
-            assert!(!super::forwardable(dropped), "{dropped}");
-        }
-    }
+    let about = ctx.about(who);
+    Ok(vec![
+        Event::message_terminated(about, held.at(), reason),
+        Event::message_dead_lettered(about, held.at(), reason),
+    ])
 }

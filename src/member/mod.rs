@@ -1,16 +1,16 @@
 //! The member runtime: a member's consumer joined as pcgroups joins it,
-//! pinned pulls, partition lanes that keep per-key order, and the
-//! supervisor that runs an instance for every registered webhook.
+//! pinned pulls, partition lanes that keep per-key order, and the verdicts
+//! that settle each message. Plain consumers' subscribers (`consumers/`)
+//! reuse its context, pull, pin and delivery parts.
 
 pub mod config_watch;
-pub mod consumer;
+pub mod context;
 pub mod control;
 pub mod deliver;
 pub mod fencing;
 pub mod instance;
+pub mod join;
 pub mod lanes;
-pub mod observe;
+pub mod pin;
 pub mod pull;
-pub mod subscriber;
-pub mod supervisor;
-pub mod window_share;
+pub mod session;

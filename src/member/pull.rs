@@ -3,7 +3,8 @@
 //! async-nats' pull streams echo the pin id silently; keygate needs to know
 //! the moment it gains or loses the pin, so it drives raw pull requests.
 
-use std::time::Duration;
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
 use async_nats::{HeaderMap, StatusCode};
 use serde::Serialize;
@@ -14,26 +15,134 @@ use crate::groups::config::PRIORITY_GROUP;
 pub const PIN_HEADER: &str = "Nats-Pin-Id";
 
 /// A pull request on `$JS.API.CONSUMER.MSG.NEXT.<stream>.<consumer>`.
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, Default)]
 pub struct PullRequest {
     pub batch: usize,
     /// Nanoseconds.
     pub expires: u64,
-    pub group: &'static str,
+    /// The consumer's priority group (a group member's is always `PCG`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
     /// The pin id, once this instance holds the pin.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub id: Option<String>,
+    /// A `prioritized` consumer's priority for this pull.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub priority: Option<u8>,
+    /// An `overflow` consumer's thresholds for this pull.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub min_pending: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub min_ack_pending: Option<i64>,
 }
 
 impl PullRequest {
-    /// A request for up to `batch` messages, waiting at most `expires`.
+    /// A group member's request for up to `batch` messages, waiting at most `expires`.
     pub fn new(batch: usize, expires: Duration, pin: Option<&str>) -> Self {
         Self {
             batch: batch.max(1),
             expires: expires.as_nanos() as u64,
-            group: PRIORITY_GROUP,
+            group: Some(PRIORITY_GROUP.to_owned()),
             id: pin.map(str::to_owned),
+            ..Self::default()
         }
+    }
+}
+
+/// Pulls sent and not yet over, oldest first: the server fills them in
+/// that order, and messages come on their own subjects, not the pull's.
+#[derive(Debug)]
+pub struct OpenPulls {
+    inbox: String,
+    sent: u64,
+    open: VecDeque<OpenPull>,
+}
+
+#[derive(Debug)]
+struct OpenPull {
+    reply: String,
+    remaining: usize,
+    deadline: Instant,
+    /// The pin id the pull carried.
+    pin: Option<String>,
+}
+
+impl OpenPulls {
+    /// Pulls answered on `<inbox>.<n>`.
+    pub fn new(inbox: String) -> Self {
+        Self { inbox, sent: 0, open: VecDeque::new() }
+    }
+
+    /// The subjects replies come on.
+    pub fn reply_filter(&self) -> String {
+        format!("{}.*", self.inbox)
+    }
+
+    pub fn len(&self) -> usize {
+        self.open.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.open.is_empty()
+    }
+
+    /// Messages asked for and not yet received.
+    pub fn asked(&self) -> usize {
+        self.open.iter().map(|o| o.remaining).sum()
+    }
+
+    /// When the earliest open pull is over at the latest.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.open.iter().map(|o| o.deadline).min()
+    }
+
+    /// Sends `request` for `consumer`; false when it could not be sent.
+    /// The pull counts as open until its expiry (plus a margin for the
+    /// server's answer) unless a reply finishes it first.
+    pub async fn send(
+        &mut self,
+        nats: &async_nats::Client,
+        stream: &str,
+        consumer: &str,
+        request: &PullRequest,
+    ) -> bool {
+        self.sent += 1;
+        let reply = format!("{}.{}", self.inbox, self.sent);
+        let body = serde_json::to_vec(request).unwrap_or_default();
+        if let Err(e) = nats.publish_with_reply(next_subject(stream, consumer), reply.clone(), body.into()).await {
+            tracing::debug!(error = %e, "sending pull");
+            return false;
+        }
+        let deadline = Instant::now() + Duration::from_nanos(request.expires) + Duration::from_millis(500);
+        self.open.push_back(OpenPull { reply, remaining: request.batch, deadline, pin: request.id.clone() });
+        true
+    }
+
+    /// A message arrived: it belongs to the oldest open pull.
+    pub fn message_arrived(&mut self) {
+        if let Some(o) = self.open.front_mut() {
+            o.remaining = o.remaining.saturating_sub(1);
+            if o.remaining == 0 {
+                self.open.pop_front();
+            }
+        }
+    }
+
+    /// The pull answered on `reply` is over; returns the pin id it carried
+    /// (`None` when it was not open).
+    pub fn finish(&mut self, reply: &str) -> Option<Option<String>> {
+        let at = self.open.iter().position(|o| o.reply == reply)?;
+        self.open.remove(at).map(|o| o.pin)
+    }
+
+    /// Forgets pulls past their deadline.
+    pub fn expire(&mut self, now: Instant) {
+        self.open.retain(|o| o.deadline > now);
+    }
+
+    /// Forgets every open pull (they carried a pin that is gone).
+    pub fn clear(&mut self) {
+        self.open.clear();
     }
 }
 
@@ -118,6 +227,44 @@ mod tests {
         assert_eq!(body, serde_json::json!({"batch":10,"expires":2_000_000_000u64,"group":"PCG"}));
         let body = serde_json::to_value(PullRequest::new(0, Duration::from_millis(1500), Some("abc"))).unwrap();
         assert_eq!(body, serde_json::json!({"batch":1,"expires":1_500_000_000u64,"group":"PCG","id":"abc"}));
+    }
+
+    #[test]
+    fn subscriber_pulls_carry_only_the_options_they_have() {
+        let request = PullRequest {
+            batch: 64,
+            expires: 5_000_000_000,
+            group: Some("jobs".into()),
+            priority: Some(2),
+            ..PullRequest::default()
+        };
+        let body = serde_json::to_value(request).unwrap();
+        assert_eq!(body, serde_json::json!({"batch":64,"expires":5_000_000_000u64,"group":"jobs","priority":2}));
+    }
+
+    #[test]
+    fn open_pulls_are_filled_oldest_first_and_finished_by_their_reply_subject() {
+        let mut pulls = OpenPulls::new("_INBOX.x".into());
+        let now = Instant::now();
+        for (n, pin) in [(1, None), (2, Some("p"))] {
+            pulls.open.push_back(OpenPull {
+                reply: format!("_INBOX.x.{n}"),
+                remaining: 2,
+                deadline: now + Duration::from_secs(n),
+                pin: pin.map(str::to_owned),
+            });
+        }
+        assert_eq!(pulls.asked(), 4);
+        pulls.message_arrived();
+        pulls.message_arrived();
+        assert_eq!(pulls.len(), 1, "the first pull is filled");
+        assert_eq!(pulls.finish("_INBOX.x.1"), None, "no longer open");
+        assert_eq!(pulls.finish("_INBOX.x.2"), Some(Some("p".into())));
+        assert!(pulls.is_empty());
+        pulls.open.push_back(OpenPull { reply: "r".into(), remaining: 1, deadline: now, pin: None });
+        pulls.expire(now + Duration::from_millis(1));
+        assert!(pulls.is_empty());
+        assert_eq!(pulls.reply_filter(), "_INBOX.x.*");
     }
 
     #[test]

@@ -1,10 +1,30 @@
 //! Connecting to NATS with the configured credentials.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context as _;
 
-use crate::config::NatsAuth;
+/// Credentials for an external NATS.
+#[derive(Clone, Default)]
+pub struct NatsAuth {
+    pub token: Option<String>,
+    pub user: Option<String>,
+    pub password: Option<String>,
+    pub creds_file: Option<PathBuf>,
+}
+
+/// Shows which credentials are set, never their values.
+impl std::fmt::Debug for NatsAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsAuth")
+            .field("token", &self.token.as_ref().map(|_| "(redacted)"))
+            .field("user", &self.user)
+            .field("password", &self.password.as_ref().map(|_| "(redacted)"))
+            .field("creds_file", &self.creds_file)
+            .finish()
+    }
+}
 
 /// Connects to `url`, retrying in the background when the servers are not up
 /// yet, so keygate starts and reports not-ready instead of exiting.

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use super::GroupAdmin;
+use crate::groups::GroupAdmin;
 
 /// Samples every `every` until `cancel`. Each sample counts through the
 /// same path as a group's GET, so it costs what a GET costs per group.
@@ -23,7 +23,7 @@ pub async fn sample_backlog(groups: GroupAdmin, nats: async_nats::Client, every:
                     if cancel.is_cancelled() {
                         return;
                     }
-                    let view = match crate::member::observe::observe(&groups, &nats, &stream, &group, Some(kind), false)
+                    let view = match crate::status::observe::observe(&groups, &nats, &stream, &group, Some(kind), false)
                         .await
                     {
                         Ok(view) => view,

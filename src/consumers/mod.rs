@@ -1,7 +1,13 @@
 //! Plain pull consumers with a priority-group policy (ADR-42): `none`,
 //! `overflow`, `pinned_client`, `prioritized`. The REST shape, validated as
 //! the server validates it (before anything is created), and the few
-//! JetStream calls behind it.
+//! JetStream calls behind it. Their subscribers' runtime is in
+//! `subscriber.rs`, the shuffle window in `shuffle_window.rs` and
+//! `window_share.rs`.
+
+pub mod shuffle_window;
+pub mod subscriber;
+pub mod window_share;
 
 use std::time::Duration;
 

@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer};
 
-use crate::groups::admin::{consumer_of, filter_subjects_of};
 use crate::groups::config::PRIORITY_GROUP;
+use crate::groups::spec::{consumer_of, filter_subjects_of};
 use crate::groups::{GroupConfig, GroupKind};
 use crate::nats::errors::jetstream_error_code;
 

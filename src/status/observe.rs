@@ -8,7 +8,7 @@ use crate::error::ApiError;
 use crate::groups::view::{BlockedView, GroupView, InstanceState};
 use crate::groups::{GroupAdmin, GroupKind};
 use crate::member::control::{ask, Control};
-use crate::member::instance::MemberRef;
+use crate::member_ref::MemberRef;
 use crate::names::{GroupName, MemberName, StreamName};
 
 /// How long a roll call waits for instances to answer.

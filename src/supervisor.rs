@@ -1,6 +1,7 @@
-//! Runs an instance for every registered webhook member: watches the
-//! registrations bucket and starts, restarts or stops instances so every
-//! keygate replica serves every member (the pin picks the active one).
+//! Runs an instance for every registered webhook member and plain
+//! consumer's webhook subscriber: watches the registration buckets and
+//! starts, restarts or stops instances so every keygate replica serves
+//! every member (the pin picks the active one).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -10,10 +11,11 @@ use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::instance::{serve_webhook, InstanceContext, MemberRef};
-use super::subscriber::{serve_consumer_webhook, ConsumerTarget};
-use crate::delivery::dead_letter::Owner;
+use crate::consumers::subscriber::{serve_consumer_webhook, ConsumerTarget};
 use crate::delivery::webhook::{Registration, CONSUMER_WEBHOOKS_BUCKET, WEBHOOKS_BUCKET};
+use crate::member::context::InstanceContext;
+use crate::member::instance::serve_webhook;
+use crate::member_ref::{MemberRef, Owner};
 use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
 
 struct Running {

@@ -1,0 +1,174 @@
+//! A group's state as NATS has it now: its configuration, members'
+//! consumers, pins and backlog, put together as the API's view.
+
+use std::collections::BTreeMap;
+
+use async_nats::jetstream::{self};
+
+use super::config::{elastic_stream_name, ownership, MemberMapping, PRIORITY_GROUP};
+use super::spec::{consumer_of, GroupConfig, GroupKind, PartitioningFilterSpec};
+use super::store::{GroupAdmin, DEFAULT_ACK_WAIT_MS};
+use super::view::{GroupView, MemberState, MembershipView, OwnedPartitions, PartitionPending};
+use crate::error::ApiError;
+use crate::names::{GroupName, StreamName};
+use crate::nats::errors::{is_not_found, unavailable_or_internal};
+
+impl GroupAdmin {
+    /// The full view of a group: configuration, ownership, pins and backlog.
+    pub async fn view(
+        &self,
+        stream: &StreamName,
+        group: &GroupName,
+        kind: Option<GroupKind>,
+    ) -> Result<GroupView, ApiError> {
+        let stored = self.load(stream, group, kind).await?;
+        let settings = self.settings(stream, group).await?;
+        let config = &stored.config;
+        let partitions = config.partitions();
+        let owners = ownership(partitions, config.members(), config.mappings());
+        let mut assignment = Vec::with_capacity(owners.len());
+        let mut floors: BTreeMap<String, u64> = BTreeMap::new();
+        for (member, owned) in &owners {
+            let (stream_name, consumer) = consumer_of(config, stream.as_str(), group.as_str(), member);
+            let info = self.consumer_info(&stream_name, &consumer).await?;
+            let state = match info {
+                Some(info) => {
+                    floors.insert(member.clone(), info.ack_floor.stream_sequence);
+                    let pin = info.priority_groups.iter().find(|g| g.group == PRIORITY_GROUP);
+                    MemberState {
+                        member: member.clone(),
+                        partitions: owned.clone(),
+                        consumer,
+                        consumer_exists: true,
+                        active: match config.kind() {
+                            GroupKind::Static => info.num_waiting > 0,
+                            GroupKind::Elastic => true,
+                        },
+                        waiting_pulls: info.num_waiting,
+                        pinned_client_id: pin.and_then(|p| p.pinned_client_id.clone()).filter(|id| !id.is_empty()),
+                        pinned_since: pin.and_then(|p| p.pinned_ts),
+                        num_pending: info.num_pending,
+                        num_ack_pending: info.num_ack_pending,
+                        serving_instance: None,
+                        fencing_token: None,
+                        instances: Vec::new(),
+                    }
+                }
+                None => MemberState {
+                    member: member.clone(),
+                    partitions: owned.clone(),
+                    consumer,
+                    consumer_exists: false,
+                    active: false,
+                    waiting_pulls: 0,
+                    pinned_client_id: None,
+                    pinned_since: None,
+                    num_pending: 0,
+                    num_ack_pending: 0,
+                    serving_instance: None,
+                    fencing_token: None,
+                    instances: Vec::new(),
+                },
+            };
+            assignment.push(state);
+        }
+        let owner_of: BTreeMap<u32, String> =
+            owners.iter().flat_map(|(m, ps)| ps.iter().map(move |p| (*p, m.clone()))).collect();
+        // Backlog is best effort: a GET still answers when it cannot be counted.
+        let counted = match config {
+            GroupConfig::Static(c) => {
+                let floor_of: BTreeMap<u32, u64> = (0..partitions)
+                    .map(|p| (p, owner_of.get(&p).and_then(|m| floors.get(m)).copied().unwrap_or(0)))
+                    .collect();
+                self.static_pending(stream.as_str(), c, &floor_of).await
+            }
+            GroupConfig::Elastic(_) => {
+                self.subject_counts(&elastic_stream_name(stream.as_str(), group.as_str()), partitions).await
+            }
+        };
+        let pending = match counted {
+            Ok(counts) => Some(counts),
+            Err(e) => {
+                tracing::warn!(error = %e, %stream, %group, "could not count the group's backlog");
+                None
+            }
+        };
+        let partition_pending = (0..partitions)
+            .map(|p| PartitionPending {
+                partition: p,
+                member: owner_of.get(&p).cloned(),
+                pending: pending.as_ref().map(|counts| counts.get(&p).copied().unwrap_or(0)),
+            })
+            .collect();
+        let raw: serde_json::Value = serde_json::from_slice(&stored.raw).unwrap_or(serde_json::Value::Null);
+        let mut view = GroupView {
+            stream: stream.to_string(),
+            group: group.to_string(),
+            kind: config.kind(),
+            partitions,
+            members: config.members().to_vec(),
+            mappings: mappings_view(config.mappings()),
+            filters: None,
+            partitioning_filters: None,
+            max_buffered_msgs: None,
+            max_buffered_bytes: None,
+            work_queue_stream: None,
+            ack_wait_ms: settings.ack_wait_ms.unwrap_or(DEFAULT_ACK_WAIT_MS),
+            revision: stored.revision,
+            config: raw,
+            assignment,
+            partition_pending,
+            blocked: Vec::new(),
+        };
+        match config {
+            GroupConfig::Static(c) => view.filters = Some(c.filters.clone()),
+            GroupConfig::Elastic(c) => {
+                view.partitioning_filters = Some(c.partitioning_filters.as_ref().map(|list| {
+                    list.iter()
+                        .map(|pf| PartitioningFilterSpec {
+                            filter: pf.filter.clone(),
+                            wildcards: pf.partitioning_wildcards.clone(),
+                        })
+                        .collect()
+                }));
+                view.max_buffered_msgs = Some(c.max_buffered_msgs);
+                view.max_buffered_bytes = Some(c.max_buffered_bytes);
+                view.work_queue_stream = Some(elastic_stream_name(stream.as_str(), group.as_str()));
+            }
+        }
+        Ok(view)
+    }
+
+    async fn consumer_info(&self, stream: &str, consumer: &str) -> Result<Option<jetstream::consumer::Info>, ApiError> {
+        let handle = match self.js.get_stream_no_info(stream).await {
+            Ok(h) => h,
+            Err(e) => return Err(unavailable_or_internal("reading consumer", e)),
+        };
+        match handle.consumer_info(consumer).await {
+            Ok(info) => Ok(Some(info)),
+            Err(e) if is_not_found(&e) => Ok(None),
+            Err(e) => Err(unavailable_or_internal("reading consumer", e)),
+        }
+    }
+}
+
+pub(super) fn mappings_view(mappings: &[MemberMapping]) -> Option<Vec<OwnedPartitions>> {
+    (!mappings.is_empty()).then(|| {
+        mappings
+            .iter()
+            .map(|m| OwnedPartitions { member: m.member.clone(), partitions: m.partitions.clone().unwrap_or_default() })
+            .collect()
+    })
+}
+
+pub(super) fn membership_view(config: &GroupConfig, revision: u64) -> MembershipView {
+    MembershipView {
+        members: config.members().to_vec(),
+        mappings: mappings_view(config.mappings()),
+        ownership: ownership(config.partitions(), config.members(), config.mappings())
+            .into_iter()
+            .map(|(member, partitions)| OwnedPartitions { member, partitions })
+            .collect(),
+        revision,
+    }
+}

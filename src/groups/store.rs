@@ -1,0 +1,214 @@
+//! Where groups live: the pcgroups KV buckets (one value per group, as Go
+//! pcgroups writes it) and keygate's own settings bucket, read and written
+//! by compare-and-set.
+
+use async_nats::jetstream::{self, kv, stream};
+use bytes::Bytes;
+use futures::TryStreamExt;
+use serde::{Deserialize, Serialize};
+
+use super::config::{config_key, go_json, validate_membership, ELASTIC_BUCKET, STATIC_BUCKET};
+use super::spec::{GroupConfig, GroupKind};
+use super::view::GroupSummary;
+use crate::error::ApiError;
+use crate::names::{GroupName, StreamName};
+use crate::nats::errors::{is_not_found, stream_read_error, unavailable_or_internal};
+
+/// keygate's own bucket for per-group settings pcgroups does not store
+/// (a Go read-modify-write of the pcgroups value would drop them).
+pub const SETTINGS_BUCKET: &str = "keygate-groups";
+/// Ack wait when a group does not set one (pcgroups' default).
+pub const DEFAULT_ACK_WAIT_MS: u64 = 5_000;
+pub(super) const CAS_ATTEMPTS: usize = 32;
+
+/// Per-group settings kept in keygate's own bucket.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct GroupSettings {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ack_wait_ms: Option<u64>,
+}
+
+/// A group as read from its bucket.
+#[derive(Debug, Clone)]
+pub struct StoredGroup {
+    pub config: GroupConfig,
+    pub raw: Bytes,
+    pub revision: u64,
+}
+
+/// Group administration over one JetStream context.
+#[derive(Clone)]
+pub struct GroupAdmin {
+    pub(super) js: jetstream::Context,
+}
+
+impl GroupAdmin {
+    /// Administration through `js`.
+    pub fn new(js: jetstream::Context) -> Self {
+        Self { js }
+    }
+
+    pub(super) async fn bucket(&self, name: &str) -> Result<Option<kv::Store>, ApiError> {
+        match self.js.get_key_value(name).await {
+            Ok(store) => Ok(Some(store)),
+            Err(e) if is_not_found(&e) => Ok(None),
+            Err(e) => Err(unavailable_or_internal("reading KV bucket", e)),
+        }
+    }
+
+    pub(super) async fn bucket_or_create(&self, name: &str, replicas: usize) -> Result<kv::Store, ApiError> {
+        if let Some(store) = self.bucket(name).await? {
+            return Ok(store);
+        }
+        let config = kv::Config {
+            bucket: name.to_owned(),
+            history: 1,
+            storage: stream::StorageType::File,
+            num_replicas: replicas.max(1),
+            ..Default::default()
+        };
+        match self.js.create_key_value(config).await {
+            Ok(store) => Ok(store),
+            Err(create_err) => match self.bucket(name).await? {
+                Some(store) => Ok(store),
+                None => Err(unavailable_or_internal("creating KV bucket", create_err)),
+            },
+        }
+    }
+
+    pub(super) async fn stream_info(&self, stream: &str) -> Result<stream::Info, ApiError> {
+        match self.js.get_stream(stream).await {
+            // Deleted between the two requests: as unknown as never created.
+            Ok(mut s) => s.info().await.cloned().map_err(|e| stream_read_error(stream, e)),
+            Err(e) => Err(stream_read_error(stream, e)),
+        }
+    }
+
+    pub(super) async fn read(
+        &self,
+        kind: GroupKind,
+        stream: &str,
+        group: &str,
+    ) -> Result<Option<StoredGroup>, ApiError> {
+        let bucket = match kind {
+            GroupKind::Static => STATIC_BUCKET,
+            GroupKind::Elastic => ELASTIC_BUCKET,
+        };
+        let Some(store) = self.bucket(bucket).await? else { return Ok(None) };
+        let entry =
+            store.entry(config_key(stream, group)).await.map_err(|e| unavailable_or_internal("reading group", e))?;
+        let Some(entry) = entry else { return Ok(None) };
+        // A delete or purge marker means the group is gone (pcgroups misses purges).
+        if entry.operation != kv::Operation::Put {
+            return Ok(None);
+        }
+        let config = parse_stored(kind, &entry.value).map_err(|why| {
+            ApiError::Unprocessable(format!(
+                "group {group} on {stream} has an invalid {} configuration: {why}",
+                kind.as_str()
+            ))
+        })?;
+        Ok(Some(StoredGroup { config, raw: entry.value, revision: entry.revision }))
+    }
+
+    /// Loads a group; `kind` disambiguates a name used by both flavours.
+    pub async fn load(
+        &self,
+        stream: &StreamName,
+        group: &GroupName,
+        kind: Option<GroupKind>,
+    ) -> Result<StoredGroup, ApiError> {
+        let kinds: Vec<GroupKind> = kind.map_or_else(|| vec![GroupKind::Static, GroupKind::Elastic], |k| vec![k]);
+        let mut found = Vec::new();
+        for k in kinds {
+            if let Some(g) = self.read(k, stream.as_str(), group.as_str()).await? {
+                found.push(g);
+            }
+        }
+        match found.len() {
+            0 => Err(ApiError::NotFound(format!("group {group} not found on stream {stream}"))),
+            1 => Ok(found.remove(0)),
+            _ => Err(ApiError::Conflict(format!(
+                "group {group} exists as both a static and an elastic group on {stream}; add ?kind=static or ?kind=elastic"
+            ))),
+        }
+    }
+
+    /// keygate's settings of a group (defaults when none are stored).
+    pub async fn settings(&self, stream: &StreamName, group: &GroupName) -> Result<GroupSettings, ApiError> {
+        let Some(store) = self.bucket(SETTINGS_BUCKET).await? else { return Ok(GroupSettings::default()) };
+        let value = store
+            .get(config_key(stream.as_str(), group.as_str()))
+            .await
+            .map_err(|e| unavailable_or_internal("reading group settings", e))?;
+        Ok(value.and_then(|v| serde_json::from_slice(&v).ok()).unwrap_or_default())
+    }
+
+    /// Groups on a stream, both flavours, sorted by name.
+    pub async fn list(&self, stream: &StreamName) -> Result<Vec<GroupSummary>, ApiError> {
+        self.stream_info(stream.as_str()).await?;
+        let mut out: Vec<GroupSummary> = self
+            .list_all()
+            .await?
+            .into_iter()
+            .filter(|(s, _, _)| s == stream)
+            .map(|(_, group, kind)| GroupSummary { group: group.to_string(), kind })
+            .collect();
+        out.sort_by(|a, b| a.group.cmp(&b.group));
+        Ok(out)
+    }
+
+    /// Every group on every stream, by the keys of both configuration buckets.
+    pub async fn list_all(&self) -> Result<Vec<(StreamName, GroupName, GroupKind)>, ApiError> {
+        let mut out = Vec::new();
+        for (kind, bucket) in [(GroupKind::Static, STATIC_BUCKET), (GroupKind::Elastic, ELASTIC_BUCKET)] {
+            let Some(store) = self.bucket(bucket).await? else { continue };
+            let keys: Vec<String> = store
+                .keys()
+                .await
+                .map_err(|e| unavailable_or_internal("listing groups", e))?
+                .try_collect()
+                .await
+                .map_err(|e| unavailable_or_internal("listing groups", e))?;
+            for key in keys {
+                let Some((s, g)) = key.split_once('.') else { continue };
+                if let (Ok(stream), Ok(group)) = (StreamName::parse(s), GroupName::parse(g)) {
+                    out.push((stream, group, kind));
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Parses and validates a stored configuration.
+pub fn parse_stored(kind: GroupKind, raw: &[u8]) -> Result<GroupConfig, String> {
+    let config = match kind {
+        GroupKind::Static => GroupConfig::Static(serde_json::from_slice(raw).map_err(|e| e.to_string())?),
+        GroupKind::Elastic => GroupConfig::Elastic(serde_json::from_slice(raw).map_err(|e| e.to_string())?),
+    };
+    validate_membership(config.partitions(), config.members(), config.mappings()).map_err(|e| e.to_string())?;
+    Ok(config)
+}
+
+pub(super) fn config_bytes(config: &GroupConfig) -> Bytes {
+    Bytes::from(match config {
+        GroupConfig::Static(c) => go_json(c),
+        GroupConfig::Elastic(c) => go_json(c),
+    })
+}
+
+pub(super) fn sorted(items: &[String]) -> Vec<String> {
+    let mut v = items.to_vec();
+    v.sort();
+    v.dedup();
+    v
+}
+
+pub(super) fn cas_error(what: &str, e: kv::UpdateError) -> ApiError {
+    if e.kind() == kv::UpdateErrorKind::WrongLastRevision {
+        ApiError::Conflict("the group changed concurrently; read it again and retry".into())
+    } else {
+        unavailable_or_internal(what, e)
+    }
+}

@@ -1,0 +1,315 @@
+//! One session of a member instance against its joined consumer: it owns
+//! the pulls and the pin, offers what arrives to the partition lanes, and
+//! ends on shutdown, a rebalance or a lost consumer. Its parts:
+//! - `intake.rs`: pulls and what their replies bring;
+//! - `pinning.rs`: gaining and losing the pin, the handover barrier, fencing;
+//! - `lane.rs`: the lane tasks that deliver;
+//! - `control.rs`: operators' control requests;
+//! - `keys.rs`: finding the key in a subject.
+
+mod control;
+mod intake;
+mod keys;
+mod lane;
+mod pinning;
+
+use std::collections::BTreeSet;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::kv::{Entry, Operation};
+use async_nats::jetstream::AckKind;
+use futures::StreamExt;
+use tokio::sync::broadcast::{error::RecvError, Receiver};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use self::keys::KeyLocator;
+use self::lane::{run_lane, BlockedPartitions, LaneShared, LaneState};
+use super::context::InstanceContext;
+use super::lanes::Lanes;
+use super::pin::PinState;
+use super::pull::{DeliveryGaps, OpenPulls};
+use crate::delivery::endpoint::Endpoint;
+use crate::delivery::message::Held;
+use crate::events::Event;
+use crate::groups::config::{config_key, PRIORITY_GROUP};
+use crate::groups::spec::filter_subjects_of;
+use crate::groups::GroupConfig;
+use crate::member_ref::MemberRef;
+
+/// How often a non-pinned instance checks who holds the pin.
+const PIN_CHECK: Duration = Duration::from_millis(250);
+/// How often a newly pinned instance checks whether the handover barrier
+/// can come down (nothing is delivered until it does).
+const BARRIER_CHECK: Duration = Duration::from_millis(20);
+
+/// Why a session ended.
+pub enum SessionEnd {
+    Shutdown,
+    /// The member's filters changed (elastic rebalance) or the group changed.
+    Rejoin {
+        pinned: bool,
+    },
+    /// The consumer was deleted under us.
+    ConsumerGone,
+    /// The endpoint answered 410: stop serving it.
+    Gone,
+}
+
+/// The consumer a session pulls from, as joined.
+pub struct Joined {
+    pub config: Arc<GroupConfig>,
+    pub revision: u64,
+    /// The stream holding the consumer (an elastic group's work queue).
+    pub stream_name: String,
+    pub consumer: String,
+    pub ack_wait: Duration,
+}
+
+pub struct Session {
+    shared: LaneShared,
+    joined: Joined,
+    keys: KeyLocator,
+    pin: PinState,
+    last_message: Instant,
+    /// When the server last answered anything (messages, timeouts).
+    last_reply: Instant,
+    pulls: OpenPulls,
+    lane_tasks: JoinSet<()>,
+    /// Tells this session apart from other instances of the member in this process.
+    session_id: u64,
+    /// The consumer's delivery sequence as this session saw it.
+    gaps: DeliveryGaps,
+}
+
+impl Session {
+    /// `None` when the stream cannot be read now (see [`KeyLocator::for_group`]).
+    pub async fn new(
+        ctx: Arc<InstanceContext>,
+        who: MemberRef,
+        endpoint: Arc<Endpoint>,
+        joined: Joined,
+    ) -> Option<Self> {
+        let keys = KeyLocator::for_group(&ctx, &joined.config, who.stream.as_str()).await?;
+        let pulls = OpenPulls::new(ctx.nats.new_inbox());
+        let blocked_reported = BlockedPartitions::new(&who);
+        let shared = LaneShared {
+            ctx,
+            who,
+            endpoint,
+            state: Arc::new(Mutex::new(LaneState {
+                lanes: Lanes::default(),
+                blocked_reported,
+                skip_requested: BTreeSet::new(),
+            })),
+            pinned: Arc::default(),
+            fencing: Arc::default(),
+            gone: Arc::default(),
+            wake: Arc::default(),
+        };
+        Some(Self {
+            shared,
+            joined,
+            keys,
+            pin: PinState::default(),
+            last_message: Instant::now(),
+            last_reply: Instant::now(),
+            pulls,
+            lane_tasks: JoinSet::new(),
+            session_id: rand::random::<u64>() >> 16,
+            gaps: DeliveryGaps::default(),
+        })
+    }
+
+    pub fn config(&self) -> &Arc<GroupConfig> {
+        &self.joined.config
+    }
+
+    fn ctx(&self) -> &Arc<InstanceContext> {
+        &self.shared.ctx
+    }
+
+    fn who(&self) -> &MemberRef {
+        &self.shared.who
+    }
+
+    /// Serves until shutdown, a rebalance, or the consumer is gone;
+    /// `updates` brings the group's configuration changes.
+    pub async fn run(mut self, cancel: &CancellationToken, mut updates: Receiver<Arc<Entry>>) -> SessionEnd {
+        let Ok(mut replies) = self.ctx().nats.subscribe(self.pulls.reply_filter()).await else {
+            return SessionEnd::ConsumerGone;
+        };
+        let control_subject = super::control::control_subject(self.who());
+        let Ok(mut control) = self.ctx().subscriptions.subscribe(&control_subject).await else {
+            return SessionEnd::ConsumerGone;
+        };
+        let progress_every = (self.joined.ack_wait / 3).max(Duration::from_millis(100));
+        let mut progress = tokio::time::interval(progress_every);
+        let mut pin_check = tokio::time::interval(PIN_CHECK);
+        let mut barrier_check = tokio::time::interval(BARRIER_CHECK);
+        let wake = self.shared.wake.clone();
+        let end = loop {
+            if self.shared.gone.load(Ordering::Relaxed) {
+                break SessionEnd::Gone;
+            }
+            self.dispatch();
+            Box::pin(self.ensure_pull()).await;
+            let pull_deadline =
+                self.pulls.next_deadline().unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
+            let barrier_up = self.pin.is_pinned() && self.shared.lock().lanes.barrier();
+            tokio::select! {
+                () = cancel.cancelled() => break SessionEnd::Shutdown,
+                reply = replies.next() => {
+                    let Some(reply) = reply else { break SessionEnd::ConsumerGone };
+                    if let Some(end) = Box::pin(self.on_reply(reply)).await {
+                        break end;
+                    }
+                }
+                () = wake.notified() => {}
+                _ = progress.tick() => Box::pin(self.progress()).await,
+                _ = pin_check.tick() => Box::pin(self.check_pin()).await,
+                _ = barrier_check.tick(), if barrier_up => Box::pin(self.check_pin()).await,
+                () = tokio::time::sleep_until(pull_deadline.into()) => self.pulls.expire(Instant::now()),
+                request = control.recv() => match request {
+                    Ok(request) => Box::pin(self.on_control(request)).await,
+                    Err(RecvError::Lagged(_)) => {}
+                    Err(RecvError::Closed) => break SessionEnd::ConsumerGone,
+                },
+                update = updates.recv() => {
+                    if let Some(end) = self.on_config_update(update) {
+                        break end;
+                    }
+                }
+            }
+        };
+        Box::pin(self.wind_down(&end)).await;
+        end
+    }
+
+    /// A change of the group's configuration ends the session when it
+    /// changes what this member consumes.
+    fn on_config_update(&self, update: Result<Arc<Entry>, RecvError>) -> Option<SessionEnd> {
+        let key = config_key(self.who().stream.as_str(), self.who().group.as_str());
+        let entry = match update {
+            Ok(entry) if entry.key == key => entry,
+            // Missed updates: read the configuration again.
+            Err(RecvError::Lagged(_)) => return Some(SessionEnd::Rejoin { pinned: false }),
+            Ok(_) | Err(RecvError::Closed) => return None,
+        };
+        if entry.operation != Operation::Put {
+            return Some(SessionEnd::Rejoin { pinned: false });
+        }
+        if entry.revision <= self.joined.revision {
+            return None;
+        }
+        let member = self.who().member.as_str();
+        let config = &self.joined.config;
+        let changed = match crate::groups::store::parse_stored(config.kind(), &entry.value) {
+            Ok(next) => {
+                next.partitions() != config.partitions()
+                    || filter_subjects_of(&next, member) != filter_subjects_of(config, member)
+            }
+            Err(_) => true,
+        };
+        changed.then_some(SessionEnd::Rejoin { pinned: self.pin.is_pinned() })
+    }
+
+    /// Starts a lane task for every partition whose head may go and that
+    /// has no delivery running.
+    fn dispatch(&mut self) {
+        if !self.pin.is_pinned() {
+            return;
+        }
+        let ready = self.shared.lock().lanes.dispatch();
+        for (partition, seq, held) in ready {
+            self.lane_tasks.spawn(run_lane(self.shared.clone(), partition, (seq, held)));
+        }
+        // Reap finished lane tasks.
+        while let Some(done) = self.lane_tasks.try_join_next() {
+            if let Err(e) = done {
+                if e.is_panic() {
+                    tracing::error!(error = %e, "a lane task panicked");
+                }
+            }
+        }
+    }
+
+    /// Keeps held and in-flight messages from timing out (ack wait), and
+    /// stops waiting for NAK'd heads that will never come back (removed by
+    /// the stream's limits or a purge).
+    async fn progress(&mut self) {
+        let (messages, awaited): (Vec<Held>, Vec<(u32, u64)>) = {
+            let state = self.shared.lock();
+            let held = state.lanes.held_messages().chain(state.lanes.in_flight_messages()).cloned().collect();
+            (held, state.lanes.awaited_heads())
+        };
+        for held in messages {
+            let _ = held.message.ack_with(AckKind::Progress).await;
+        }
+        if awaited.is_empty() || !self.pin.is_pinned() {
+            return;
+        }
+        let Ok(handle) = self.ctx().js.get_stream_no_info(&self.joined.stream_name).await else { return };
+        for (partition, seq) in awaited {
+            // Only the stream leader's definite answer (error code 10037, "no
+            // message found") says it is gone; a timeout, no responders or
+            // an election says nothing, and the lane keeps waiting.
+            let gone = matches!(handle.get_raw_message(seq).await,
+                Err(e) if e.kind() == async_nats::jetstream::stream::RawMessageErrorKind::NoMessageFound);
+            if !gone {
+                continue;
+            }
+            {
+                let mut state = self.shared.lock();
+                state.lanes.skip(partition, seq, None);
+                state.blocked_reported.remove(&partition);
+            }
+            let why = "the awaited message is no longer in the stream (limits or purge)";
+            self.ctx().events.emit(Event::partition_unblocked(self.ctx().about(self.who()), partition, seq, Some(why)));
+        }
+    }
+
+    /// Stop pulling and dispatching; let deliveries in flight finish within
+    /// the grace, then cut them off and NAK them; step down so a standby
+    /// takes over at once.
+    async fn wind_down(&mut self, end: &SessionEnd) {
+        {
+            let _state = self.shared.lock();
+            self.shared.pinned.store(false, Ordering::Relaxed);
+        }
+        let grace = self.ctx().shutdown_grace;
+        let finished =
+            tokio::time::timeout(grace, async { while self.lane_tasks.join_next().await.is_some() {} }).await;
+        if finished.is_err() {
+            self.lane_tasks.abort_all();
+            while self.lane_tasks.join_next().await.is_some() {}
+            let in_flight: Vec<Held> = self.shared.lock().lanes.in_flight_messages().cloned().collect();
+            for held in in_flight {
+                let _ = held.message.ack_with(AckKind::Nak(None)).await;
+            }
+        }
+        // Messages received but never dispatched go back now, so the next
+        // holder need not wait out ack_wait for them.
+        let held = self.shared.lock().lanes.release_held();
+        for held in held {
+            let _ = held.message.ack_with(AckKind::Nak(None)).await;
+        }
+        if self.pin.is_pinned() {
+            if matches!(end, SessionEnd::Shutdown | SessionEnd::Gone) {
+                if let Ok(handle) = self.ctx().js.get_stream_no_info(&self.joined.stream_name).await {
+                    let _ = handle.unpin_consumer(&self.joined.consumer, PRIORITY_GROUP).await;
+                }
+            }
+            let why = match end {
+                SessionEnd::Shutdown => "shutting down",
+                SessionEnd::Rejoin { .. } => "rebalancing",
+                SessionEnd::ConsumerGone => "consumer gone",
+                SessionEnd::Gone => "endpoint gone",
+            };
+            self.ctx().events.emit(Event::member_unpinned(self.ctx().about(self.who()), why));
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.ctx().nats.flush()).await;
+    }
+}

@@ -1,0 +1,113 @@
+//! A session's pin: the handover barrier when it is gained, the fencing
+//! token, stepping down when it is lost or the server goes quiet, and
+//! noticing that another instance holds it (docs/architecture.md, "The
+//! pin, the handover barrier and fencing").
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::Session;
+use crate::delivery::webhook::registration_key;
+use crate::member::fencing::next_token;
+use crate::member::join::{pinned_ttl, pull_expiry};
+use crate::member::pin::{announce_pinned, announce_standby, announce_unpinned, count_pin_change, pinned_to_someone};
+
+impl Session {
+    fn owned_partitions(&self) -> Vec<u32> {
+        crate::member::instance::owned_partitions(&self.joined.config, self.who().member.as_str())
+    }
+
+    pub(super) async fn gain_pin(&mut self, pin: String) {
+        self.pin.on_message_pin(&pin);
+        self.last_reply = Instant::now();
+        // Handover barrier: nothing goes out until every ack-pending message
+        // of the consumer is ours (and the fencing token is raised).
+        {
+            let mut state = self.shared.lock();
+            state.lanes.set_barrier(true);
+            self.shared.pinned.store(true, Ordering::Relaxed);
+        }
+        self.raise_fencing_token().await;
+        count_pin_change(self.who(), "gained");
+        let partitions = self.owned_partitions();
+        announce_pinned(self.ctx(), self.who(), &self.shared.endpoint, pin, self.pin.token(), partitions);
+    }
+
+    /// Raises the member's fencing token in KV; while it cannot, the pin
+    /// stays with its token pending and nothing is delivered (a guessed
+    /// token could be lower than the previous holder's).
+    async fn raise_fencing_token(&mut self) {
+        let who = self.who();
+        let key = registration_key(who.stream.as_str(), who.group.as_str(), who.member.as_str());
+        match next_token(&self.ctx().js, &key).await {
+            Ok(token) => {
+                self.shared.fencing.store(token, Ordering::Relaxed);
+                self.pin.set_token(token);
+            }
+            Err(e) => tracing::warn!(error = %e, "raising the fencing token failed; holding deliveries"),
+        }
+    }
+
+    pub(super) fn lose_pin(&mut self, why: &str) {
+        self.pin.lose();
+        // Held and NAK'd messages now belong to the next holder; deliveries
+        // in flight finish (and stay kept alive) so its barrier waits for them.
+        {
+            let mut state = self.shared.lock();
+            self.shared.pinned.store(false, Ordering::Relaxed);
+            state.lanes.release_held();
+            state.blocked_reported.clear();
+        }
+        count_pin_change(self.who(), "lost");
+        announce_unpinned(self.ctx(), self.who(), &self.shared.endpoint, why, self.owned_partitions());
+    }
+
+    /// Steps down when the server has gone quiet, raises a pending token,
+    /// lowers the handover barrier once the consumer's ack-pending messages
+    /// are all this instance's, and notices a pin held elsewhere.
+    pub(super) async fn check_pin(&mut self) {
+        if self.pin.is_pinned() {
+            // Cut off from the server, this instance cannot see the pin move:
+            // it stops on its own before the server re-pins another.
+            let ack_wait = self.joined.ack_wait;
+            let silence = (pinned_ttl(ack_wait).saturating_sub(Duration::from_millis(250)))
+                .max(pull_expiry(ack_wait) + Duration::from_millis(250));
+            if self.last_reply.elapsed() > silence {
+                self.pulls.clear();
+                self.lose_pin("no word from the server within the pin's TTL");
+                return;
+            }
+        }
+        if self.pin.token_pending() {
+            self.raise_fencing_token().await;
+            if self.pin.token_pending() {
+                return;
+            }
+        }
+        let (barrier, ours) = {
+            let state = self.shared.lock();
+            (state.lanes.barrier(), state.lanes.holding() + state.lanes.awaiting())
+        };
+        let barrier = self.pin.is_pinned() && barrier;
+        // A standby only waits: the pin comes to it through its pulls.
+        if (!barrier && self.pin.is_pinned()) || self.pin.is_standby() {
+            return;
+        }
+        // `ours` was counted before asking, so messages arriving meanwhile
+        // can only make the server's count higher (the safe side).
+        let Ok(handle) = self.ctx().js.get_stream_no_info(&self.joined.stream_name).await else { return };
+        let Ok(info) = handle.consumer_info(&self.joined.consumer).await else { return };
+        if barrier {
+            if info.num_ack_pending <= ours {
+                self.shared.lock().lanes.set_barrier(false);
+            }
+            return;
+        }
+        // A pin seen right after a message reached us may be ours, not yet
+        // read from the message: only a quiet instance calls itself standby.
+        let quiet = self.last_message.elapsed() > Duration::from_secs(1);
+        if pinned_to_someone(&info) && quiet && self.pin.stand_by() {
+            announce_standby(self.ctx(), self.who(), &self.shared.endpoint, self.owned_partitions());
+        }
+    }
+}
