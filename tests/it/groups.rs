@@ -28,7 +28,7 @@ async fn static_groups_are_stored_exactly_as_pcgroups_writes_them() {
         String::from_utf8(raw).unwrap(),
         r#"{"max_members":10,"filters":["orders.*"],"members":["m2","m10","m1"]}"#
     );
-    // Byte-wise sort: m1 < m10 < m2 (docs/compatibility.md's worked example).
+    // Byte-wise sort: m1 < m10 < m2 (docs/pcgroups-compatibility.md's worked example).
     let owned: Vec<(String, Value)> = view["assignment"]
         .as_array()
         .unwrap()

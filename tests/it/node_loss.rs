@@ -494,7 +494,7 @@ async fn batches_store_each_keys_messages_in_request_order_while_the_leader_is_k
     assert!(refused > 0 || ok > 0);
 }
 
-/// What `DeliveryGaps` rests on (docs/compatibility.md): the server numbers
+/// What `DeliveryGaps` rests on (docs/pcgroups-compatibility.md): the server numbers
 /// every delivery of a consumer, redeliveries included, one after another.
 #[tokio::test]
 async fn the_server_numbers_redeliveries_as_new_deliveries() {
