@@ -20,18 +20,22 @@ WORKDIR /src
 # target Cargo.toml declares (Cargo refuses a manifest whose targets are
 # missing). Rebuilt only when Cargo.toml or Cargo.lock change.
 COPY Cargo.toml Cargo.lock ./
-RUN mkdir -p src benches tests/it \
+COPY testkit/Cargo.toml ./testkit/
+RUN mkdir -p src benches tests/it testkit/src \
     && printf 'fn main() {}\n' > src/main.rs \
     && : > src/lib.rs \
-    && for f in benches/publish.rs benches/delivery.rs tests/it/main.rs; do printf 'fn main() {}\n' > "$f"; done \
+    && : > testkit/src/lib.rs \
+    && for f in benches/publish.rs benches/delivery.rs benches/websocket.rs benches/soak.rs benches/cluster.rs \
+        tests/it/main.rs; do printf 'fn main() {}\n' > "$f"; done \
     && cargo build --release --locked --bin keygate \
-    && rm -rf src benches tests
+    && rm -rf src benches tests testkit/src
 
 # The real sources. COPY keeps the files' own (older) modification times, so
 # touch the crate roots: otherwise Cargo could take the stub build as fresh.
 COPY src ./src
 COPY benches ./benches
 COPY tests ./tests
+COPY testkit/src ./testkit/src
 RUN touch src/main.rs src/lib.rs \
     && cargo build --release --locked --bin keygate \
     && ./target/release/keygate --version

@@ -12,13 +12,8 @@ use std::time::{Duration, Instant};
 use axum::Router;
 use serde_json::{json, Value};
 
-#[path = "../tests/it/support/cluster.rs"]
-#[allow(dead_code)] // the tests use the rest of it
-mod cluster;
-#[path = "../tests/it/support/process.rs"]
-mod process;
-#[allow(dead_code)] // each benchmark uses part of it
-mod support;
+use keygate_testkit as support;
+use keygate_testkit::cluster;
 
 use support::{put, KeygateProcess, LocalNats, NatsEndpoint};
 
@@ -49,8 +44,8 @@ async fn receiver() -> (String, Arc<AtomicU64>) {
 /// Publishes `n` keyed messages in batches (several in flight), then lets
 /// one webhook member deliver them in key order; both as rates.
 async fn measure(http: &reqwest::Client, nats: &NatsEndpoint, replicas: u32, n: u64) -> Figures {
-    let kg = KeygateProcess::start(nats);
-    kg.ready(http).await;
+    let kg = KeygateProcess::for_bench(nats, None);
+    kg.wait_ready(http).await;
     let base = kg.base.clone();
     let stream = json!({"subjects":["bench.*"],"partitions":PARTITIONS,"replicas":replicas});
     put(http, format!("{base}/v1/streams/BENCH"), stream).await;

@@ -17,8 +17,7 @@ use axum::Router;
 use bytes::Bytes;
 use serde_json::{json, Value};
 
-#[allow(dead_code)] // each benchmark uses part of it
-mod support;
+use keygate_testkit as support;
 use support::NatsEndpoint;
 
 #[global_allocator]
@@ -186,7 +185,7 @@ async fn keygate_ordered(
 async fn failover(nats: &NatsEndpoint, http: &reqwest::Client, js: &jetstream::Context) -> (f64, u64) {
     let sink = Sink::new(Duration::ZERO);
     let url = sink.clone().serve().await;
-    let mut first = support::KeygateProcess::start_named(nats, Some("bench-a"));
+    let mut first = support::KeygateProcess::for_bench(nats, Some("bench-a"));
     let base = first.base.clone();
     for _ in 0..400 {
         if http.get(format!("{base}/readyz")).send().await.is_ok_and(|r| r.status() == 200) {
@@ -202,7 +201,7 @@ async fn failover(nats: &NatsEndpoint, http: &reqwest::Client, js: &jetstream::C
     put("/v1/streams/FO/groups/g/members/m/webhook", json!({"url": url})).await.unwrap();
     js.publish("fo.warmup", Bytes::new()).await.unwrap().await.unwrap();
     sink.wait_for(1, Duration::from_secs(20)).await;
-    let mut second = support::KeygateProcess::start_named(nats, Some("bench-b"));
+    let mut second = support::KeygateProcess::for_bench(nats, Some("bench-b"));
     tokio::time::sleep(Duration::from_secs(2)).await;
     // Kill whichever holds the pin (asked until one answers).
     let mut serving = Value::Null;

@@ -11,8 +11,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use serde_json::{json, Value};
 
-#[allow(dead_code)] // each benchmark uses part of it
-mod support;
+use keygate_testkit as support;
 
 use support::env_or;
 

@@ -18,8 +18,7 @@ use futures::{SinkExt, StreamExt};
 use serde_json::{json, Value};
 use tokio_tungstenite::tungstenite::Message;
 
-#[allow(dead_code)] // each benchmark uses part of it
-mod support;
+use keygate_testkit as support;
 
 use support::{env_or, put, KeygateProcess, LocalNats};
 
@@ -160,8 +159,8 @@ async fn main() -> anyhow::Result<()> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let http = reqwest::Client::builder().pool_max_idle_per_host(256).build()?;
     let server = LocalNats::start().await?;
-    let kg = KeygateProcess::start(&server.endpoint());
-    kg.ready(&http).await;
+    let kg = KeygateProcess::for_bench(&server.endpoint(), None);
+    kg.wait_ready(&http).await;
     let base = kg.base.clone();
     put(&http, format!("{base}/v1/streams/SOAK"), json!({"subjects":["soak.*"],"partitions":PARTITIONS})).await;
     for (group, members) in [("hooks", json!(["m1", "m2"])), ("socket", json!(["w1"]))] {

@@ -15,8 +15,7 @@ use futures::{SinkExt, StreamExt};
 use serde_json::{json, Value};
 use tokio_tungstenite::tungstenite::Message;
 
-#[allow(dead_code)] // each benchmark uses part of it
-mod support;
+use keygate_testkit as support;
 
 use support::{put, KeygateProcess, LocalNats, NatsEndpoint};
 
@@ -112,8 +111,8 @@ async fn raw_ordered(js: &jetstream::Context, http: &reqwest::Client, base: &str
 /// RSS of a fresh keygate process before and after 1,000 idle member
 /// connections spread over `member_count` members.
 async fn idle_connections(nats: &NatsEndpoint, http: &reqwest::Client, member_count: usize) -> (f64, f64) {
-    let kg = KeygateProcess::start(nats);
-    kg.ready(http).await;
+    let kg = KeygateProcess::for_bench(nats, None);
+    kg.wait_ready(http).await;
     let members: Vec<String> = (0..member_count).map(|i| format!("m{i}")).collect();
     let stream = format!("IDLE{member_count}");
     let subjects = json!([format!("idle{member_count}.*")]);
@@ -161,8 +160,8 @@ async fn main() -> anyhow::Result<()> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let http = reqwest::Client::new();
     let server = LocalNats::start().await?;
-    let kg = KeygateProcess::start(&server.endpoint());
-    kg.ready(&http).await;
+    let kg = KeygateProcess::for_bench(&server.endpoint(), None);
+    kg.wait_ready(&http).await;
     let nats = server.endpoint().connect().await?;
     let js = keygate::nats::connect::jetstream(nats, Duration::from_secs(10));
 

@@ -13,7 +13,7 @@ use crate::member_ref::MemberRef;
 /// Subject prefix of events.
 pub const SUBJECT_PREFIX: &str = "keygate.events";
 
-/// Event types (docs/design.md, "Events").
+/// Event types (docs/architecture.md, "Events").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub enum EventType {
     #[serde(rename = "member.pinned")]

@@ -2,8 +2,8 @@
 //! encoding, subject patterns and pcgroups' partition → member assignment.
 //!
 //! Nothing here does I/O; everything is checked against the vectors read
-//! back from nats-server (`shared/vectors`) and against a live server in the
-//! integration tests.
+//! back from nats-server (`tests/vectors/partition-vectors.json`) and
+//! against a live server in the integration tests.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -243,7 +243,7 @@ impl SubjectPattern {
 /// streams use pcgroups' spelling.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TransformSpelling {
-    /// `{{partition(N,1)}}.orders.{{wildcard(1)}}`, as docs/design.md writes it.
+    /// `{{partition(N,1)}}.orders.{{wildcard(1)}}`, as docs/architecture.md writes it.
     Stream,
     /// `{{Partition(N,1)}}.orders.{{Wildcard(1)}}`, as pcgroups writes it.
     Pcgroups,

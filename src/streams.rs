@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use utoipa::ToSchema;
 
-use crate::error::ApiError;
+use crate::error::Error;
 use crate::names::StreamName;
 use crate::nats::errors::{codes, is_not_found, jetstream_error_code, unavailable_or_internal};
 use crate::partition::{PartitionSpec, SubjectPattern, TransformSpelling};
@@ -112,14 +112,14 @@ struct Planned {
 }
 
 impl StreamSpec {
-    fn plan(&self) -> Result<Planned, ApiError> {
-        let bad = |m: String| Err(ApiError::BadRequest(m));
+    fn plan(&self) -> Result<Planned, Error> {
+        let bad = |m: String| Err(Error::Invalid(m));
         if self.subjects.is_empty() {
             return bad("subjects must name at least one subject".into());
         }
         let mut patterns = Vec::new();
         for subject in &self.subjects {
-            let pattern = SubjectPattern::parse(subject).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+            let pattern = SubjectPattern::parse(subject).map_err(|e| Error::Invalid(e.to_string()))?;
             if subject.starts_with('$') {
                 return bad(format!("subject {subject:?} is reserved for the system"));
             }
@@ -338,12 +338,12 @@ impl Streams {
     }
 
     /// Creates a stream, or confirms an identical one exists.
-    pub async fn put(&self, name: &StreamName, spec: &StreamSpec) -> Result<(StreamPutOutcome, StreamView), ApiError> {
+    pub async fn put(&self, name: &StreamName, spec: &StreamSpec) -> Result<(StreamPutOutcome, StreamView), Error> {
         let plan = spec.plan()?;
         if let Some(info) = self.info(name).await? {
             let diff = spec.differences(&plan, &info.config);
             if !diff.is_empty() {
-                return Err(ApiError::Conflict(format!(
+                return Err(Error::Conflict(format!(
                     "stream {name} exists with another configuration: {}",
                     diff.join("; ")
                 )));
@@ -359,13 +359,11 @@ impl Streams {
             }
             Err(e) => Err(match jetstream_error_code(&e) {
                 Some(codes::SUBJECT_OVERLAP) => {
-                    ApiError::Conflict(format!("subjects {:?} overlap with another stream's subjects", spec.subjects))
+                    Error::Conflict(format!("subjects {:?} overlap with another stream's subjects", spec.subjects))
                 }
-                Some(codes::STREAM_NAME_IN_USE) => {
-                    ApiError::Conflict(format!("stream {name} was created concurrently"))
-                }
+                Some(codes::STREAM_NAME_IN_USE) => Error::Conflict(format!("stream {name} was created concurrently")),
                 Some(codes::JETSTREAM_UNAVAILABLE | codes::NO_SUITABLE_PEERS) => {
-                    ApiError::Unavailable(format!("JetStream cannot place the stream now; retry: {e}"))
+                    Error::Unavailable(format!("JetStream cannot place the stream now; retry: {e}"))
                 }
                 Some(code) => {
                     let field = match code {
@@ -375,14 +373,14 @@ impl Streams {
                         codes::REPLICAS_EXCEED_CLUSTER => "replicas: more than the cluster has servers",
                         _ => "the stream's configuration",
                     };
-                    ApiError::Unprocessable(format!("the server refused {field}: {e}"))
+                    Error::Unprocessable(format!("the server refused {field}: {e}"))
                 }
                 _ => unavailable_or_internal("creating stream", e),
             }),
         }
     }
 
-    async fn info(&self, name: &StreamName) -> Result<Option<stream::Info>, ApiError> {
+    async fn info(&self, name: &StreamName) -> Result<Option<stream::Info>, Error> {
         match self.js.get_stream(name.as_str()).await {
             Ok(s) => Ok(Some(s.cached_info().clone())),
             Err(e) if is_not_found(&e) => Ok(None),
@@ -391,14 +389,14 @@ impl Streams {
     }
 
     /// One stream.
-    pub async fn get(&self, name: &StreamName) -> Result<StreamView, ApiError> {
-        let info = self.info(name).await?.ok_or_else(|| ApiError::NotFound(format!("stream {name} not found")))?;
+    pub async fn get(&self, name: &StreamName) -> Result<StreamView, Error> {
+        let info = self.info(name).await?.ok_or_else(|| Error::NotFound(format!("stream {name} not found")))?;
         Ok(view(&info))
     }
 
     /// Every stream, by name; the storage streams behind KV buckets and
     /// object stores (`KV_*`, `OBJ_*`) only with `all`.
-    pub async fn list(&self, all: bool) -> Result<Vec<StreamView>, ApiError> {
+    pub async fn list(&self, all: bool) -> Result<Vec<StreamView>, Error> {
         let mut streams: Vec<StreamView> = self
             .js
             .streams()
@@ -414,23 +412,23 @@ impl Streams {
     }
 
     /// Deletes a stream and its messages.
-    pub async fn delete(&self, name: &StreamName) -> Result<(), ApiError> {
+    pub async fn delete(&self, name: &StreamName) -> Result<(), Error> {
         self.forget(name);
         match self.js.delete_stream(name.as_str()).await {
             Ok(_) => Ok(()),
-            Err(e) if is_not_found(&e) => Err(ApiError::NotFound(format!("stream {name} not found"))),
+            Err(e) if is_not_found(&e) => Err(Error::NotFound(format!("stream {name} not found"))),
             Err(e) => Err(unavailable_or_internal("deleting stream", e)),
         }
     }
 
     /// The stream's shape for publishing, from the cache when fresh.
-    pub async fn shape(&self, name: &StreamName) -> Result<Arc<StreamShape>, ApiError> {
+    pub async fn shape(&self, name: &StreamName) -> Result<Arc<StreamShape>, Error> {
         if let Some((at, shape)) = self.shapes.lock().expect("shape cache").get(name.as_str()) {
             if at.elapsed() < SHAPE_TTL {
                 return Ok(shape.clone());
             }
         }
-        let info = self.info(name).await?.ok_or_else(|| ApiError::NotFound(format!("stream {name} not found")))?;
+        let info = self.info(name).await?.ok_or_else(|| Error::NotFound(format!("stream {name} not found")))?;
         let mut cache = self.shapes.lock().expect("shape cache");
         let fresh = Arc::new(StreamShape::from_config(&info.config));
         // Keep the round-robin position of a shape that did not change.

@@ -5,7 +5,7 @@ use std::io::{BufRead as _, Write as _};
 use serde_json::json;
 
 use super::render::{out, print_json, ranges, table, timestamp, yes_no};
-use super::{api, names, Admin};
+use super::{names, Admin};
 use crate::groups::admin::PutOutcome;
 use crate::groups::view::{GroupView, MembershipView};
 use crate::groups::{GroupKind, GroupSpec};
@@ -14,15 +14,8 @@ use crate::names::{MemberName, StreamName};
 impl Admin {
     pub(super) async fn ls(&self, stream: &str, kind: GroupKind) -> anyhow::Result<()> {
         let stream = StreamName::parse(stream)?;
-        let groups: Vec<String> = self
-            .groups
-            .list(&stream)
-            .await
-            .map_err(api)?
-            .into_iter()
-            .filter(|g| g.kind == kind)
-            .map(|g| g.group)
-            .collect();
+        let groups: Vec<String> =
+            self.groups.list(&stream).await?.into_iter().filter(|g| g.kind == kind).map(|g| g.group).collect();
         if self.json {
             return print_json(&groups);
         }
@@ -36,7 +29,9 @@ impl Admin {
 
     pub(super) async fn view(&self, stream: &str, group: &str, kind: GroupKind) -> anyhow::Result<GroupView> {
         let (stream, group) = names(stream, group)?;
-        crate::status::observe::observe(&self.groups, &self.nats, &stream, &group, Some(kind), true).await.map_err(api)
+        crate::status::observe::observe(&self.groups, &self.nats, &stream, &group, Some(kind), true)
+            .await
+            .map_err(Into::into)
     }
 
     pub(super) async fn info(&self, stream: &str, group: &str, kind: GroupKind) -> anyhow::Result<()> {
@@ -127,11 +122,10 @@ impl Admin {
     pub(super) async fn create(&self, stream: &str, group: &str, spec: GroupSpec) -> anyhow::Result<()> {
         let (stream, group) = names(stream, group)?;
         let kind = spec.kind;
-        let config = spec.into_config().map_err(api)?;
-        let outcome = self.groups.put(&stream, &group, config, true, None).await.map_err(api)?;
-        let view = crate::status::observe::observe(&self.groups, &self.nats, &stream, &group, Some(kind), false)
-            .await
-            .map_err(api)?;
+        let config = spec.into_config()?;
+        let outcome = self.groups.put(&stream, &group, config, true, None).await?;
+        let view =
+            crate::status::observe::observe(&self.groups, &self.nats, &stream, &group, Some(kind), false).await?;
         if self.json {
             return print_json(&view);
         }
@@ -157,7 +151,7 @@ impl Admin {
         {
             anyhow::bail!("operation canceled");
         }
-        self.groups.delete(&stream, &group, Some(kind)).await.map_err(api)?;
+        self.groups.delete(&stream, &group, Some(kind)).await?;
         if self.json {
             return print_json(&json!({"deleted": format!("{stream}/{group}")}));
         }
@@ -198,7 +192,7 @@ impl Admin {
     pub(super) async fn step_down(&self, stream: &str, group: &str, member: &str) -> anyhow::Result<()> {
         let (stream, group) = names(stream, group)?;
         let member = MemberName::parse(member)?;
-        self.groups.step_down(&stream, &group, &member).await.map_err(api)?;
+        self.groups.step_down(&stream, &group, &member).await?;
         if self.json {
             return print_json(&json!({"stepped_down": member.as_str()}));
         }
@@ -221,7 +215,7 @@ impl Admin {
     }
 
     pub(super) async fn streams_ls(&self, all: bool) -> anyhow::Result<()> {
-        let streams = self.streams.list(all).await.map_err(api)?;
+        let streams = self.streams.list(all).await?;
         if self.json {
             return print_json(&streams);
         }

@@ -12,7 +12,6 @@ use anyhow::Context as _;
 
 pub use args::{AdminArgs, AdminCommand, ElasticCommand, StaticCommand, StaticCreate, StreamsCommand};
 
-use crate::error::ApiError;
 use crate::groups::spec::{Mapping, PartitioningFilterSpec};
 use crate::groups::{GroupAdmin, GroupKind, GroupSpec};
 use crate::names::{GroupName, MemberName, StreamName};
@@ -113,7 +112,7 @@ impl Admin {
             ElasticCommand::Add { stream, group, members } => {
                 let (stream, group) = names(&stream, &group)?;
                 let members = members.iter().map(|m| MemberName::parse(m)).collect::<Result<Vec<_>, _>>()?;
-                let view = self.groups.add_members(&stream, &group, &members).await.map_err(api)?;
+                let view = self.groups.add_members(&stream, &group, &members).await?;
                 self.print_membership("added", &view)
             }
             ElasticCommand::Drop { stream, group, members } => {
@@ -121,7 +120,7 @@ impl Admin {
                 let mut view = None;
                 for member in &members {
                     let member = MemberName::parse(member)?;
-                    view = Some(self.groups.drop_member(&stream, &group, &member).await.map_err(api)?);
+                    view = Some(self.groups.drop_member(&stream, &group, &member).await?);
                 }
                 self.print_membership("dropped", &view.expect("members are required"))
             }
@@ -134,12 +133,12 @@ impl Admin {
                         partitions: Some(m.partitions),
                     })
                     .collect();
-                let view = self.groups.set_mappings(&stream, &group, mappings).await.map_err(api)?;
+                let view = self.groups.set_mappings(&stream, &group, mappings).await?;
                 self.print_membership("mapped", &view)
             }
             ElasticCommand::DeleteMapping { stream, group } => {
                 let (stream, group) = names(&stream, &group)?;
-                let view = self.groups.delete_mappings(&stream, &group).await.map_err(api)?;
+                let view = self.groups.delete_mappings(&stream, &group).await?;
                 self.print_membership("mappings deleted", &view)
             }
             ElasticCommand::MemberInfo { stream, group, member } => {
@@ -152,11 +151,6 @@ impl Admin {
 
 fn names(stream: &str, group: &str) -> anyhow::Result<(StreamName, GroupName)> {
     Ok((StreamName::parse(stream)?, GroupName::parse(group)?))
-}
-
-/// API errors already say what went wrong in words meant for people.
-fn api(e: ApiError) -> anyhow::Error {
-    anyhow::anyhow!("{}", e.problem().detail)
 }
 
 /// `<member>:<p1>,<p2>,…` as cg takes them.

@@ -16,10 +16,10 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use utoipa::ToSchema;
 
-use crate::error::ApiError;
+use crate::error::Error;
 use crate::groups::config::PRIORITY_GROUP;
 use crate::names::{ConsumerName, StreamName};
-use crate::nats::errors::{is_not_found, jetstream_error_code, unavailable_or_internal};
+use crate::nats::errors::{is_not_found, is_transient, jetstream_error_code, unavailable_or_internal, BrokerError};
 use crate::partition::SubjectPattern;
 
 /// Default ack wait of a consumer.
@@ -90,8 +90,8 @@ pub struct Shuffle {
 pub const SHUFFLE_METADATA: &str = "keygate.shuffle";
 
 impl Shuffle {
-    fn check(&self) -> Result<(), ApiError> {
-        let bad = |m: &str| Err(ApiError::BadRequest(format!("shuffle: {m}")));
+    fn check(&self) -> Result<(), Error> {
+        let bad = |m: &str| Err(Error::Invalid(format!("shuffle: {m}")));
         if !(self.probability > 0.0 && self.probability <= 1.0) {
             return bad("probability must be above 0 and at most 1");
         }
@@ -152,8 +152,8 @@ pub fn valid_priority_group(name: &str) -> bool {
 
 impl ConsumerSpec {
     /// The consumer configuration, or why it would be refused.
-    pub fn into_config(self, name: &ConsumerName) -> Result<consumer::pull::Config, ApiError> {
-        let bad = |m: String| Err(ApiError::BadRequest(m));
+    pub fn into_config(self, name: &ConsumerName) -> Result<consumer::pull::Config, Error> {
+        let bad = |m: String| Err(Error::Invalid(m));
         match (self.policy, &self.group) {
             (Policy::None, Some(_)) => {
                 return bad("group needs a policy (overflow, pinned_client or prioritized)".into())
@@ -185,7 +185,7 @@ impl ConsumerSpec {
         }
         let filters = self.filter_subjects.unwrap_or_default();
         for filter in &filters {
-            SubjectPattern::parse(filter).map_err(|e| ApiError::BadRequest(format!("filter {filter:?}: {e}")))?;
+            SubjectPattern::parse(filter).map_err(|e| Error::Invalid(format!("filter {filter:?}: {e}")))?;
         }
         let mut unique = filters.clone();
         unique.sort();
@@ -259,10 +259,10 @@ impl Consumers {
         Self { js }
     }
 
-    async fn stream(&self, stream: &StreamName) -> Result<jetstream::stream::Stream<()>, ApiError> {
+    async fn stream(&self, stream: &StreamName) -> Result<jetstream::stream::Stream<()>, Error> {
         let handle = self.js.get_stream_no_info(stream.as_str()).await.map_err(|e| {
             if is_not_found(&e) {
-                ApiError::NotFound(format!("no stream {stream}"))
+                Error::NotFound(format!("no stream {stream}"))
             } else {
                 unavailable_or_internal("reading stream", e)
             }
@@ -270,7 +270,7 @@ impl Consumers {
         Ok(handle)
     }
 
-    async fn info(&self, stream: &StreamName, name: &ConsumerName) -> Result<Option<consumer::Info>, ApiError> {
+    async fn info(&self, stream: &StreamName, name: &ConsumerName) -> Result<Option<consumer::Info>, Error> {
         let handle = self.stream(stream).await?;
         match handle.consumer_info(name.as_str()).await {
             Ok(info) => Ok(Some(info)),
@@ -278,7 +278,7 @@ impl Consumers {
                 // Distinguish "no stream" from "no consumer".
                 match self.js.get_stream(stream.as_str()).await {
                     Ok(_) => Ok(None),
-                    Err(e) if is_not_found(&e) => Err(ApiError::NotFound(format!("no stream {stream}"))),
+                    Err(e) if is_not_found(&e) => Err(Error::NotFound(format!("no stream {stream}"))),
                     Err(e) => Err(unavailable_or_internal("reading stream", e)),
                 }
             }
@@ -292,13 +292,13 @@ impl Consumers {
         stream: &StreamName,
         name: &ConsumerName,
         spec: ConsumerSpec,
-    ) -> Result<(ConsumerPutOutcome, ConsumerView), ApiError> {
+    ) -> Result<(ConsumerPutOutcome, ConsumerView), Error> {
         let config = spec.into_config(name)?;
         let existing = self.info(stream, name).await?;
         self.check_filters(stream, &config.filter_subjects).await?;
         if let Some(info) = &existing {
             if info.config.priority_groups.iter().any(|g| g == PRIORITY_GROUP) {
-                return Err(ApiError::Conflict(format!(
+                return Err(Error::Conflict(format!(
                     "consumer {name} belongs to a partitioned consumer group member; manage it through the group"
                 )));
             }
@@ -310,21 +310,17 @@ impl Consumers {
             Some(_) => ConsumerPutOutcome::Updated,
         };
         let result = match outcome {
-            ConsumerPutOutcome::Created => {
-                handle.create_consumer_strict(config).await.map(|_| ()).map_err(|e| e.to_string())
-            }
-            _ => handle.update_consumer(config).await.map(|_| ()).map_err(|e| e.to_string()),
+            ConsumerPutOutcome::Created => handle.create_consumer_strict(config).await.map(|_| ()).map_err(refused),
+            _ => handle.update_consumer(config).await.map(|_| ()).map_err(refused),
         };
-        if let Err(text) = result {
-            return Err(refused(&text));
-        }
-        let info = self.info(stream, name).await?.ok_or_else(|| ApiError::Internal("consumer vanished".into()))?;
+        result?;
+        let info = self.info(stream, name).await?.ok_or_else(|| Error::Internal("consumer vanished".into()))?;
         Ok((outcome, view(&info)))
     }
 
     /// The server accepts a filter that matches none of the stream's
     /// subjects; such a consumer would never get a message, so it is refused.
-    async fn check_filters(&self, stream: &StreamName, filters: &[String]) -> Result<(), ApiError> {
+    async fn check_filters(&self, stream: &StreamName, filters: &[String]) -> Result<(), Error> {
         if filters.is_empty() {
             return Ok(());
         }
@@ -343,9 +339,9 @@ impl Consumers {
         };
         let stored: Vec<SubjectPattern> = stored.iter().filter_map(|s| SubjectPattern::parse(s).ok()).collect();
         for filter in filters {
-            let pattern = SubjectPattern::parse(filter).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+            let pattern = SubjectPattern::parse(filter).map_err(|e| Error::Invalid(e.to_string()))?;
             if !stored.iter().any(|s| s.overlaps(&pattern)) {
-                return Err(ApiError::Unprocessable(format!(
+                return Err(Error::Unprocessable(format!(
                     "filter {filter:?} matches none of stream {stream}'s stored subjects ({})",
                     stored.iter().map(SubjectPattern::as_string).collect::<Vec<_>>().join(", ")
                 )));
@@ -354,7 +350,7 @@ impl Consumers {
         Ok(())
     }
 
-    pub async fn get(&self, stream: &StreamName, name: &ConsumerName) -> Result<ConsumerView, ApiError> {
+    pub async fn get(&self, stream: &StreamName, name: &ConsumerName) -> Result<ConsumerView, Error> {
         let info = self.info(stream, name).await?.ok_or_else(|| not_found(stream, name))?;
         Ok(view(&info))
     }
@@ -362,20 +358,20 @@ impl Consumers {
     /// A plain consumer to subscribe to: a partitioned group member's
     /// consumer is refused (409), since a plain subscriber on it would take
     /// the member's pin and deliver without key order.
-    pub async fn subscribable(&self, stream: &StreamName, name: &ConsumerName) -> Result<ConsumerView, ApiError> {
+    pub async fn subscribable(&self, stream: &StreamName, name: &ConsumerName) -> Result<ConsumerView, Error> {
         let info = self.info(stream, name).await?.ok_or_else(|| not_found(stream, name))?;
         if info.config.priority_groups.iter().any(|g| g == PRIORITY_GROUP) {
-            return Err(ApiError::Conflict(format!(
+            return Err(Error::Conflict(format!(
                 "consumer {name} belongs to a partitioned consumer group member; join the group as that member instead"
             )));
         }
         Ok(view(&info))
     }
 
-    pub async fn delete(&self, stream: &StreamName, name: &ConsumerName) -> Result<(), ApiError> {
+    pub async fn delete(&self, stream: &StreamName, name: &ConsumerName) -> Result<(), Error> {
         let info = self.info(stream, name).await?.ok_or_else(|| not_found(stream, name))?;
         if info.config.priority_groups.iter().any(|g| g == PRIORITY_GROUP) {
-            return Err(ApiError::Conflict(format!(
+            return Err(Error::Conflict(format!(
                 "consumer {name} belongs to a partitioned consumer group member; delete the group instead"
             )));
         }
@@ -385,10 +381,10 @@ impl Consumers {
     }
 
     /// Unpins the pinned client (`pinned_client` only): the next pull pins another.
-    pub async fn unpin(&self, stream: &StreamName, name: &ConsumerName) -> Result<ConsumerView, ApiError> {
+    pub async fn unpin(&self, stream: &StreamName, name: &ConsumerName) -> Result<ConsumerView, Error> {
         let info = self.info(stream, name).await?.ok_or_else(|| not_found(stream, name))?;
         if policy_of(&info.config) != Policy::PinnedClient {
-            return Err(ApiError::Conflict(format!("consumer {name} has no pinned_client policy: nothing to unpin")));
+            return Err(Error::Conflict(format!("consumer {name} has no pinned_client policy: nothing to unpin")));
         }
         let group = info.config.priority_groups.first().cloned().unwrap_or_default();
         let handle = self.stream(stream).await?;
@@ -397,15 +393,15 @@ impl Consumers {
     }
 }
 
-fn not_found(stream: &StreamName, name: &ConsumerName) -> ApiError {
-    ApiError::NotFound(format!("no consumer {name} on stream {stream}"))
+fn not_found(stream: &StreamName, name: &ConsumerName) -> Error {
+    Error::NotFound(format!("no consumer {name} on stream {stream}"))
 }
 
 /// The server's refusal of a configuration, in its words.
-fn refused(text: &str) -> ApiError {
-    match jetstream_error_code(&text) {
-        Some(_) => ApiError::Unprocessable(format!("the server refused the consumer: {text}")),
-        None => unavailable_or_internal("creating consumer", text),
+fn refused(err: impl BrokerError) -> Error {
+    match jetstream_error_code(&err) {
+        Some(_) if !is_transient(&err) => Error::Unprocessable(format!("the server refused the consumer: {err}")),
+        _ => unavailable_or_internal("creating consumer", err),
     }
 }
 
@@ -430,7 +426,7 @@ fn same(existing: &consumer::Config, wanted: &consumer::pull::Config) -> bool {
 mod tests {
     use super::*;
 
-    fn spec(json: serde_json::Value) -> Result<consumer::pull::Config, ApiError> {
+    fn spec(json: serde_json::Value) -> Result<consumer::pull::Config, Error> {
         serde_json::from_value::<ConsumerSpec>(json).unwrap().into_config(&ConsumerName::parse("c").unwrap())
     }
 

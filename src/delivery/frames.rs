@@ -47,7 +47,7 @@ pub enum ServerFrame {
     },
 }
 
-/// One message, as docs/design.md lists its fields.
+/// One message, with the fields docs/architecture.md ("WebSocket protocol") lists.
 #[derive(Debug, Serialize)]
 pub struct MessageFrame {
     /// Stable across redeliveries (the webhook-id): `<stream>-<sequence>`.

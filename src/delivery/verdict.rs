@@ -50,7 +50,7 @@ fn judgement(verdict: Verdict, reason: impl Into<String>) -> Judgement {
     Judgement { verdict, gone: false, reason: reason.into() }
 }
 
-/// The verdict for a webhook response (docs/design.md, "Webhook delivery").
+/// The verdict for a webhook response (docs/architecture.md, "Webhook delivery").
 /// `max_retry_after` caps a `Retry-After` the endpoint asks for.
 pub fn judge(response: &Response<'_>, now: SystemTime, max_retry_after: Duration) -> Judgement {
     let (status, retry_after, keygate_ack, body) = match response {

@@ -12,7 +12,7 @@ use utoipa::ToSchema;
 use super::destination::{DestinationPolicy, PolicyResolver};
 use super::signing::SigningKey;
 use super::verdict::{judge, Judgement, Response};
-use crate::error::ApiError;
+use crate::error::Error;
 use crate::nats::errors::{is_not_found, unavailable_or_internal};
 
 /// KV bucket of webhook registrations, key `<stream>.<group>.<member>`.
@@ -158,7 +158,7 @@ impl WebhookStore {
     }
 
     /// The bucket, created when missing.
-    pub async fn bucket(&self) -> Result<kv::Store, ApiError> {
+    pub async fn bucket(&self) -> Result<kv::Store, Error> {
         if let Ok(store) = self.js.get_key_value(self.bucket).await {
             return Ok(store);
         }
@@ -177,7 +177,7 @@ impl WebhookStore {
     }
 
     /// Registers or replaces a webhook. Returns whether it was new.
-    pub async fn put(&self, key: &str, spec: WebhookSpec) -> Result<(bool, Registration, Option<String>), ApiError> {
+    pub async fn put(&self, key: &str, spec: WebhookSpec) -> Result<(bool, Registration, Option<String>), Error> {
         self.put_with(key, spec, None).await
     }
 
@@ -187,22 +187,22 @@ impl WebhookStore {
         key: &str,
         spec: WebhookSpec,
         subscriber: Option<SubscriberOptions>,
-    ) -> Result<(bool, Registration, Option<String>), ApiError> {
-        let url = self.policy.check_url(&spec.url).await.map_err(ApiError::Unprocessable)?;
+    ) -> Result<(bool, Registration, Option<String>), Error> {
+        let url = self.policy.check_url(&spec.url).await.map_err(Error::Unprocessable)?;
         let timeout_ms = spec.timeout_ms.unwrap_or(10_000);
         if !(1..=300_000).contains(&timeout_ms) {
-            return Err(ApiError::BadRequest("timeout_ms must be between 1 and 300000".into()));
+            return Err(Error::Invalid("timeout_ms must be between 1 and 300000".into()));
         }
         let max_attempts = spec.max_attempts.unwrap_or(10);
         if !(1..=1000).contains(&max_attempts) {
-            return Err(ApiError::BadRequest("max_attempts must be between 1 and 1000".into()));
+            return Err(Error::Invalid("max_attempts must be between 1 and 1000".into()));
         }
         let backoff = spec.backoff.unwrap_or_default();
         if backoff.initial_ms == 0 || backoff.max_ms < backoff.initial_ms {
-            return Err(ApiError::BadRequest("backoff needs 0 < initial_ms <= max_ms".into()));
+            return Err(Error::Invalid("backoff needs 0 < initial_ms <= max_ms".into()));
         }
         if let Some(secret) = &spec.secret {
-            SigningKey::parse(secret).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+            SigningKey::parse(secret).map_err(|e| Error::Invalid(e.to_string()))?;
         }
         let store = self.bucket().await?;
         let existing = self.read(&store, key).await?;
@@ -222,13 +222,13 @@ impl WebhookStore {
         Ok((existing.is_none(), registration, generated))
     }
 
-    async fn read(&self, store: &kv::Store, key: &str) -> Result<Option<Registration>, ApiError> {
+    async fn read(&self, store: &kv::Store, key: &str) -> Result<Option<Registration>, Error> {
         let value = store.get(key).await.map_err(|e| unavailable_or_internal("reading webhook", e))?;
         Ok(value.and_then(|v| serde_json::from_slice(&v).ok()))
     }
 
     /// A member's registration.
-    pub async fn get(&self, key: &str) -> Result<Option<Registration>, ApiError> {
+    pub async fn get(&self, key: &str) -> Result<Option<Registration>, Error> {
         match self.js.get_key_value(self.bucket).await {
             Ok(store) => self.read(&store, key).await,
             Err(e) if is_not_found(&e) => Ok(None),
@@ -238,7 +238,7 @@ impl WebhookStore {
 
     /// Removes every registration whose key starts with `prefix` (a deleted
     /// consumer's subscribers).
-    pub async fn delete_prefixed(&self, prefix: &str) -> Result<usize, ApiError> {
+    pub async fn delete_prefixed(&self, prefix: &str) -> Result<usize, Error> {
         let store = match self.js.get_key_value(self.bucket).await {
             Ok(store) => store,
             Err(e) if is_not_found(&e) => return Ok(0),
@@ -259,7 +259,7 @@ impl WebhookStore {
     }
 
     /// Removes a member's registration; every replica stops serving it.
-    pub async fn delete(&self, key: &str) -> Result<bool, ApiError> {
+    pub async fn delete(&self, key: &str) -> Result<bool, Error> {
         if self.get(key).await?.is_none() {
             return Ok(false);
         }

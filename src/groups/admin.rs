@@ -18,7 +18,7 @@ use super::store::{
     cas_error, config_bytes, sorted, GroupAdmin, GroupSettings, StoredGroup, CAS_ATTEMPTS, SETTINGS_BUCKET,
 };
 use super::view::MembershipView;
-use crate::error::ApiError;
+use crate::error::Error;
 use crate::names::{GroupName, MemberName, StreamName};
 use crate::nats::errors::{is_not_found, jetstream_error_code, unavailable_or_internal};
 use crate::partition::{PartitionSpec, SubjectPattern, TransformSpelling};
@@ -43,7 +43,7 @@ impl GroupAdmin {
         config: GroupConfig,
         membership_given: bool,
         ack_wait_ms: Option<u64>,
-    ) -> Result<PutOutcome, ApiError> {
+    ) -> Result<PutOutcome, Error> {
         let info = self.stream_info(stream.as_str()).await?;
         let kind = config.kind();
         let other = match kind {
@@ -51,7 +51,7 @@ impl GroupAdmin {
             GroupKind::Elastic => GroupKind::Static,
         };
         if self.read(other, stream.as_str(), group.as_str()).await?.is_some() {
-            return Err(ApiError::Conflict(format!(
+            return Err(Error::Conflict(format!(
                 "group {group} already exists on {stream} as {} group; delete it first",
                 match other {
                     GroupKind::Static => "a static",
@@ -116,7 +116,7 @@ impl GroupAdmin {
         existing: Option<&StoredGroup>,
         plan: Reconcile,
         replicas: usize,
-    ) -> Result<PutOutcome, ApiError> {
+    ) -> Result<PutOutcome, Error> {
         match (plan, existing) {
             (Reconcile::Unchanged, _) => Ok(PutOutcome::Unchanged),
             (Reconcile::Membership(next), Some(stored)) => {
@@ -132,7 +132,7 @@ impl GroupAdmin {
                 match store.create(key, config_bytes(config)).await {
                     Ok(_) => Ok(PutOutcome::Created),
                     Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
-                        Err(ApiError::Conflict("the group was created concurrently; read it and retry".into()))
+                        Err(Error::Conflict("the group was created concurrently; read it and retry".into()))
                     }
                     Err(e) => Err(unavailable_or_internal("storing group", e)),
                 }
@@ -148,7 +148,7 @@ impl GroupAdmin {
         stream: &StreamName,
         group: &GroupName,
         config: &GroupConfig,
-    ) -> Result<(), ApiError> {
+    ) -> Result<(), Error> {
         let ours: Vec<String> = member_names(config).map(|m| static_consumer_name(group.as_str(), m)).collect();
         for summary in self.list(stream).await? {
             if summary.kind != GroupKind::Static || summary.group == group.as_str() {
@@ -158,7 +158,7 @@ impl GroupAdmin {
             for member in member_names(&other.config) {
                 let theirs = static_consumer_name(&summary.group, member);
                 if ours.contains(&theirs) {
-                    return Err(ApiError::Conflict(format!(
+                    return Err(Error::Conflict(format!(
                         "consumer {theirs} already belongs to group {} on {stream}; choose other group or member names",
                         summary.group
                     )));
@@ -174,7 +174,7 @@ impl GroupAdmin {
         group: &str,
         config: &ElasticGroupConfig,
         source: &stream::Info,
-    ) -> Result<bool, ApiError> {
+    ) -> Result<bool, Error> {
         let name = elastic_stream_name(stream, group);
         let existed = self.js.get_stream(&name).await.is_ok();
         let filters = config.partitioning_filters.clone().unwrap_or_default();
@@ -219,7 +219,7 @@ impl GroupAdmin {
         };
         self.js.create_stream(wq).await.map(|_| !existed).map_err(|e| {
             if jetstream_error_code(&e) == Some(crate::nats::errors::codes::STREAM_NAME_IN_USE) {
-                ApiError::Conflict(format!(
+                Error::Conflict(format!(
                     "stream {name} already exists with another configuration; delete it or pick another group name"
                 ))
             } else {
@@ -230,12 +230,7 @@ impl GroupAdmin {
 
     /// Deletes a group: its configuration, its member consumers (static) or
     /// work-queue stream (elastic), and keygate's settings for it.
-    pub async fn delete(
-        &self,
-        stream: &StreamName,
-        group: &GroupName,
-        kind: Option<GroupKind>,
-    ) -> Result<(), ApiError> {
+    pub async fn delete(&self, stream: &StreamName, group: &GroupName, kind: Option<GroupKind>) -> Result<(), Error> {
         let stored = self.load(stream, group, kind).await?;
         let key = config_key(stream.as_str(), group.as_str());
         // The configuration goes first: member instances (keygate's and Go's)
@@ -280,13 +275,13 @@ impl GroupAdmin {
         stream: &StreamName,
         group: &GroupName,
         add: &[MemberName],
-    ) -> Result<MembershipView, ApiError> {
+    ) -> Result<MembershipView, Error> {
         if add.is_empty() {
-            return Err(ApiError::BadRequest("members must name at least one member".into()));
+            return Err(Error::Invalid("members must name at least one member".into()));
         }
         self.edit_elastic(stream, group, |config| {
             if !config.member_mappings.is_empty() {
-                return Err(ApiError::Conflict(
+                return Err(Error::Conflict(
                     "the group uses member mappings; change them with PUT …/mappings or delete them first".into(),
                 ));
             }
@@ -306,17 +301,17 @@ impl GroupAdmin {
         stream: &StreamName,
         group: &GroupName,
         member: &MemberName,
-    ) -> Result<MembershipView, ApiError> {
+    ) -> Result<MembershipView, Error> {
         self.edit_elastic(stream, group, |config| {
             if !config.member_mappings.is_empty() {
-                return Err(ApiError::Conflict(
+                return Err(Error::Conflict(
                     "the group uses member mappings; change them with PUT …/mappings or delete them first".into(),
                 ));
             }
             let before = config.members.len();
             config.members.retain(|m| m != member.as_str());
             if config.members.len() == before {
-                return Err(ApiError::NotFound(format!("member {member} is not in group {group}")));
+                return Err(Error::NotFound(format!("member {member} is not in group {group}")));
             }
             Ok(())
         })
@@ -329,21 +324,21 @@ impl GroupAdmin {
         stream: &StreamName,
         group: &GroupName,
         mappings: Vec<MemberMapping>,
-    ) -> Result<MembershipView, ApiError> {
+    ) -> Result<MembershipView, Error> {
         if mappings.is_empty() {
-            return Err(ApiError::BadRequest("mappings must not be empty; DELETE …/mappings removes them".into()));
+            return Err(Error::Invalid("mappings must not be empty; DELETE …/mappings removes them".into()));
         }
         self.edit_elastic(stream, group, |config| {
             config.members.clear();
             config.member_mappings = mappings.clone();
             validate_membership(config.max_members, &config.members, &config.member_mappings)
-                .map_err(|e| ApiError::BadRequest(e.to_string()))
+                .map_err(|e| Error::Invalid(e.to_string()))
         })
         .await
     }
 
     /// Removes an elastic group's mappings (it then has no members).
-    pub async fn delete_mappings(&self, stream: &StreamName, group: &GroupName) -> Result<MembershipView, ApiError> {
+    pub async fn delete_mappings(&self, stream: &StreamName, group: &GroupName) -> Result<MembershipView, Error> {
         self.edit_elastic(stream, group, |config| {
             config.member_mappings.clear();
             Ok(())
@@ -355,18 +350,17 @@ impl GroupAdmin {
         &self,
         stream: &StreamName,
         group: &GroupName,
-        mut change: impl FnMut(&mut ElasticGroupConfig) -> Result<(), ApiError>,
-    ) -> Result<MembershipView, ApiError> {
+        mut change: impl FnMut(&mut ElasticGroupConfig) -> Result<(), Error>,
+    ) -> Result<MembershipView, Error> {
         for _ in 0..CAS_ATTEMPTS {
             let stored = self.load(stream, group, None).await?;
             let GroupConfig::Elastic(mut config) = stored.config else {
-                return Err(ApiError::Conflict(format!(
+                return Err(Error::Conflict(format!(
                     "group {group} is a static group: its membership is fixed; delete and recreate it to change members"
                 )));
             };
             change(&mut config)?;
-            let store =
-                self.bucket(ELASTIC_BUCKET).await?.ok_or_else(|| ApiError::NotFound("group not found".into()))?;
+            let store = self.bucket(ELASTIC_BUCKET).await?.ok_or_else(|| Error::NotFound("group not found".into()))?;
             let key = config_key(stream.as_str(), group.as_str());
             match store.update(&key, Bytes::from(go_json(&config)), stored.revision).await {
                 Ok(revision) => {
@@ -382,21 +376,21 @@ impl GroupAdmin {
                 Err(e) => return Err(unavailable_or_internal("updating group", e)),
             }
         }
-        Err(ApiError::Conflict(format!("group {group} kept changing concurrently; retry")))
+        Err(Error::Conflict(format!("group {group} kept changing concurrently; retry")))
     }
 
     /// Unpins a member's current instance so another can take over.
-    pub async fn step_down(&self, stream: &StreamName, group: &GroupName, member: &MemberName) -> Result<(), ApiError> {
+    pub async fn step_down(&self, stream: &StreamName, group: &GroupName, member: &MemberName) -> Result<(), Error> {
         let stored = self.load(stream, group, None).await?;
         if !stored.config.has_member(member.as_str()) {
-            return Err(ApiError::NotFound(format!("member {member} is not in group {group}")));
+            return Err(Error::NotFound(format!("member {member} is not in group {group}")));
         }
         let (stream_name, consumer) = consumer_of(&stored.config, stream.as_str(), group.as_str(), member.as_str());
         let handle =
             self.js.get_stream_no_info(&stream_name).await.map_err(|e| unavailable_or_internal("step-down", e))?;
         handle.unpin_consumer(&consumer, PRIORITY_GROUP).await.map_err(|e| {
             if is_not_found(&e) {
-                ApiError::NotFound(format!("member {member} has no consumer: no instance is serving it"))
+                Error::NotFound(format!("member {member} has no consumer: no instance is serving it"))
             } else {
                 unavailable_or_internal("step-down", e)
             }
@@ -414,10 +408,10 @@ enum Reconcile {
 
 /// Compares an existing group with a `PUT`: the partition count, filters
 /// and buffer limits never change; an elastic group's membership may.
-fn plan_reconcile(have: &GroupConfig, want: &GroupConfig, membership_given: bool) -> Result<Reconcile, ApiError> {
+fn plan_reconcile(have: &GroupConfig, want: &GroupConfig, membership_given: bool) -> Result<Reconcile, Error> {
     let recreate = "delete and recreate the group to change it";
     if have.partitions() != want.partitions() {
-        return Err(ApiError::Conflict(format!(
+        return Err(Error::Conflict(format!(
             "the group has {} partitions; the partition count never changes: {recreate}",
             have.partitions()
         )));
@@ -425,19 +419,19 @@ fn plan_reconcile(have: &GroupConfig, want: &GroupConfig, membership_given: bool
     match (have, want) {
         (GroupConfig::Static(have), GroupConfig::Static(want)) => {
             if have.filters != want.filters {
-                return Err(ApiError::Conflict(format!("the group's filters differ: {recreate}")));
+                return Err(Error::Conflict(format!("the group's filters differ: {recreate}")));
             }
             if membership_given && (have.members != want.members || have.member_mappings != want.member_mappings) {
-                return Err(ApiError::Conflict(format!("a static group's membership is fixed: {recreate}")));
+                return Err(Error::Conflict(format!("a static group's membership is fixed: {recreate}")));
             }
             Ok(Reconcile::Unchanged)
         }
         (GroupConfig::Elastic(have), GroupConfig::Elastic(want)) => {
             if have.partitioning_filters != want.partitioning_filters {
-                return Err(ApiError::Conflict(format!("the group's partitioning filters differ: {recreate}")));
+                return Err(Error::Conflict(format!("the group's partitioning filters differ: {recreate}")));
             }
             if have.max_buffered_msgs != want.max_buffered_msgs || have.max_buffered_bytes != want.max_buffered_bytes {
-                return Err(ApiError::Conflict(format!("the group's buffer limits differ: {recreate}")));
+                return Err(Error::Conflict(format!("the group's buffer limits differ: {recreate}")));
             }
             let same_members = sorted(&have.members) == sorted(&want.members);
             if !membership_given || (same_members && have.member_mappings == want.member_mappings) {
@@ -448,7 +442,7 @@ fn plan_reconcile(have: &GroupConfig, want: &GroupConfig, membership_given: bool
             next.member_mappings = want.member_mappings.clone();
             Ok(Reconcile::Membership(next))
         }
-        _ => Err(ApiError::Conflict("the group exists with another kind".into())),
+        _ => Err(Error::Conflict("the group exists with another kind".into())),
     }
 }
 
@@ -475,13 +469,13 @@ fn stored_patterns(info: &stream::Info) -> Vec<SubjectPattern> {
 /// An elastic group's filters must match something the stream stores: over
 /// a partition-stamped stream, `orders.*` matches nothing (it stores
 /// `<p>.orders.<key>`).
-fn check_elastic_filters(info: &stream::Info, config: &ElasticGroupConfig) -> Result<(), ApiError> {
+fn check_elastic_filters(info: &stream::Info, config: &ElasticGroupConfig) -> Result<(), Error> {
     let stored = stored_patterns(info);
     for pf in config.partitioning_filters.iter().flatten() {
         let Ok(filter) = SubjectPattern::parse(&pf.filter) else { continue };
         if !stored.iter().any(|s| s.overlaps(&filter)) {
             let stored_text: Vec<String> = stored.iter().map(SubjectPattern::as_string).collect();
-            return Err(ApiError::Unprocessable(format!(
+            return Err(Error::Unprocessable(format!(
                 "filter {:?} matches nothing stream {} stores ({}); a partition-stamped stream stores <partition>.<subject>",
                 pf.filter,
                 info.config.name,
@@ -493,11 +487,11 @@ fn check_elastic_filters(info: &stream::Info, config: &ElasticGroupConfig) -> Re
 }
 
 /// A static group needs a stream stamped with the same partition count.
-fn check_static_stream(info: &stream::Info, partitions: u32) -> Result<(), ApiError> {
+fn check_static_stream(info: &stream::Info, partitions: u32) -> Result<(), Error> {
     let stamped = info.config.subject_transform.as_ref().and_then(|t| PartitionSpec::from_transform(&t.destination));
     match stamped {
         Some(spec) if spec.partitions == partitions => Ok(()),
-        Some(spec) => Err(ApiError::Unprocessable(format!(
+        Some(spec) => Err(Error::Unprocessable(format!(
             "stream {} is stamped with {} partitions; a static group over it must have {}",
             info.config.name, spec.partitions, spec.partitions
         ))),
@@ -507,7 +501,7 @@ fn check_static_stream(info: &stream::Info, partitions: u32) -> Result<(), ApiEr
             if pre_stamped {
                 Ok(())
             } else {
-                Err(ApiError::Unprocessable(format!(
+                Err(Error::Unprocessable(format!(
                     "stream {} is not partition-stamped: create it with \"partitions\", or use an elastic group",
                     info.config.name
                 )))
@@ -536,7 +530,7 @@ mod tests {
             fixed(r#"{"max_members":4,"filters":["b.*"],"members":["m1"]}"#),
             elastic(r#"{"max_members":4,"partitioning_filters":null}"#),
         ] {
-            assert!(matches!(plan_reconcile(&have, &want, false), Err(ApiError::Conflict(_))), "{want:?}");
+            assert!(matches!(plan_reconcile(&have, &want, false), Err(Error::Conflict(_))), "{want:?}");
         }
     }
 
@@ -545,7 +539,7 @@ mod tests {
         let have = fixed(r#"{"max_members":4,"members":["m1","m2"]}"#);
         let other = fixed(r#"{"max_members":4,"members":["m1","m3"]}"#);
         assert_eq!(plan_reconcile(&have, &other, false).unwrap(), Reconcile::Unchanged);
-        assert!(matches!(plan_reconcile(&have, &other, true), Err(ApiError::Conflict(_))));
+        assert!(matches!(plan_reconcile(&have, &other, true), Err(Error::Conflict(_))));
         assert_eq!(plan_reconcile(&have, &have, true).unwrap(), Reconcile::Unchanged);
     }
 
@@ -568,6 +562,6 @@ mod tests {
         assert_eq!(plan_reconcile(&have, &grown, false).unwrap(), Reconcile::Unchanged, "membership not given");
         let buffered =
             elastic(r#"{"max_members":4,"partitioning_filters":null,"max_buffered_msg":11,"members":["a","b"]}"#);
-        assert!(matches!(plan_reconcile(&have, &buffered, true), Err(ApiError::Conflict(_))));
+        assert!(matches!(plan_reconcile(&have, &buffered, true), Err(Error::Conflict(_))));
     }
 }

@@ -9,7 +9,7 @@ use super::config::{elastic_stream_name, ownership, MemberMapping, PRIORITY_GROU
 use super::spec::{consumer_of, GroupConfig, GroupKind, PartitioningFilterSpec};
 use super::store::{GroupAdmin, DEFAULT_ACK_WAIT_MS};
 use super::view::{GroupView, MemberState, MembershipView, OwnedPartitions, PartitionPending};
-use crate::error::ApiError;
+use crate::error::Error;
 use crate::names::{GroupName, StreamName};
 use crate::nats::errors::{is_not_found, unavailable_or_internal};
 
@@ -20,7 +20,7 @@ impl GroupAdmin {
         stream: &StreamName,
         group: &GroupName,
         kind: Option<GroupKind>,
-    ) -> Result<GroupView, ApiError> {
+    ) -> Result<GroupView, Error> {
         let stored = self.load(stream, group, kind).await?;
         let settings = self.settings(stream, group).await?;
         let config = &stored.config;
@@ -139,7 +139,7 @@ impl GroupAdmin {
         Ok(view)
     }
 
-    async fn consumer_info(&self, stream: &str, consumer: &str) -> Result<Option<jetstream::consumer::Info>, ApiError> {
+    async fn consumer_info(&self, stream: &str, consumer: &str) -> Result<Option<jetstream::consumer::Info>, Error> {
         let handle = match self.js.get_stream_no_info(stream).await {
             Ok(h) => h,
             Err(e) => return Err(unavailable_or_internal("reading consumer", e)),

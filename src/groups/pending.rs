@@ -12,7 +12,7 @@ use super::config::StaticGroupConfig;
 use super::spec::{GroupConfig, GroupKind};
 use super::store::GroupAdmin;
 use super::view::GroupView;
-use crate::error::ApiError;
+use crate::error::Error;
 use crate::names::{GroupName, StreamName};
 use crate::nats::errors::{is_not_found, unavailable_or_internal};
 
@@ -24,7 +24,7 @@ impl GroupAdmin {
         &self,
         view: &mut GroupView,
         instance_floors: &BTreeMap<u32, u64>,
-    ) -> Result<(), ApiError> {
+    ) -> Result<(), Error> {
         if view.kind != GroupKind::Static || instance_floors.is_empty() {
             return Ok(());
         }
@@ -50,7 +50,7 @@ impl GroupAdmin {
         stream: &str,
         config: &StaticGroupConfig,
         floor_of: &BTreeMap<u32, u64>,
-    ) -> Result<BTreeMap<u32, u64>, ApiError> {
+    ) -> Result<BTreeMap<u32, u64>, Error> {
         let handle =
             self.js.get_stream_no_info(stream).await.map_err(|e| unavailable_or_internal("reading stream", e))?;
         let counts = futures::stream::iter(floor_of.clone())
@@ -79,7 +79,7 @@ impl GroupAdmin {
                     let info =
                         consumer.info().await.map_err(|e| unavailable_or_internal("counting backlog", e))?.clone();
                     let _ = handle.delete_consumer(&info.name).await;
-                    Ok::<_, ApiError>((p, info.num_pending))
+                    Ok::<_, Error>((p, info.num_pending))
                 }
             })
             .buffer_unordered(16)
@@ -90,11 +90,7 @@ impl GroupAdmin {
 
     /// Messages a stream stores per leading partition token: an elastic
     /// group's backlog (what is left in its work-queue stream).
-    pub(super) async fn subject_counts(
-        &self,
-        wq_stream: &str,
-        partitions: u32,
-    ) -> Result<BTreeMap<u32, u64>, ApiError> {
+    pub(super) async fn subject_counts(&self, wq_stream: &str, partitions: u32) -> Result<BTreeMap<u32, u64>, Error> {
         let handle = match self.js.get_stream(wq_stream).await {
             Ok(h) => h,
             Err(e) if is_not_found(&e) => return Ok(BTreeMap::new()),

@@ -9,7 +9,7 @@ use super::config::{
     validate_partitioning_filters, validate_static_filters, ElasticGroupConfig, MemberMapping, PartitioningFilter,
     StaticGroupConfig,
 };
-use crate::error::ApiError;
+use crate::error::Error;
 use crate::names::MemberName;
 
 /// Most partitions a group may have.
@@ -170,8 +170,8 @@ impl GroupConfig {
 
 impl GroupSpec {
     /// Checks the spec and builds the configuration pcgroups would store.
-    pub fn into_config(self) -> Result<GroupConfig, ApiError> {
-        let bad = |msg: String| Err(ApiError::BadRequest(msg));
+    pub fn into_config(self) -> Result<GroupConfig, Error> {
+        let bad = |msg: String| Err(Error::Invalid(msg));
         if self.partitions < 1 || self.partitions > MAX_PARTITIONS {
             return bad(format!("partitions must be between 1 and {MAX_PARTITIONS}"));
         }
@@ -185,7 +185,7 @@ impl GroupSpec {
             .into_iter()
             .map(|m| MemberMapping { member: m.member.to_string(), partitions: Some(m.partitions) })
             .collect();
-        validate_membership(self.partitions, &members, &mappings).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+        validate_membership(self.partitions, &members, &mappings).map_err(|e| Error::Invalid(e.to_string()))?;
         match self.kind {
             GroupKind::Static => {
                 if self.partitioning_filters.is_some() {
@@ -195,7 +195,7 @@ impl GroupSpec {
                     return bad("max_buffered_msgs and max_buffered_bytes apply to elastic groups only".into());
                 }
                 let filters = self.filters.unwrap_or_default();
-                validate_static_filters(&filters).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+                validate_static_filters(&filters).map_err(|e| Error::Invalid(e.to_string()))?;
                 Ok(GroupConfig::Static(StaticGroupConfig {
                     max_members: self.partitions,
                     filters,
@@ -214,7 +214,7 @@ impl GroupSpec {
                         .collect()
                 });
                 validate_partitioning_filters(partitioning_filters.as_deref().unwrap_or_default())
-                    .map_err(|e| ApiError::BadRequest(e.to_string()))?;
+                    .map_err(|e| Error::Invalid(e.to_string()))?;
                 let max_buffered_msgs = self.max_buffered_msgs.unwrap_or(0);
                 let max_buffered_bytes = self.max_buffered_bytes.unwrap_or(0);
                 if max_buffered_msgs < 0 || max_buffered_bytes < 0 {
@@ -251,7 +251,7 @@ pub fn filter_subjects_of(config: &GroupConfig, member: &str) -> Vec<String> {
 mod tests {
     use super::*;
 
-    fn spec(json: serde_json::Value) -> Result<GroupConfig, ApiError> {
+    fn spec(json: serde_json::Value) -> Result<GroupConfig, Error> {
         serde_json::from_value::<GroupSpec>(json).unwrap().into_config()
     }
 
@@ -281,6 +281,6 @@ mod tests {
     fn both_members_and_mappings_is_a_bad_request() {
         let err = spec(serde_json::json!({"kind":"static","partitions":1,"members":["a"],"mappings":[{"member":"a","partitions":[0]}]}))
             .unwrap_err();
-        assert_eq!(err.status(), axum::http::StatusCode::BAD_REQUEST);
+        assert!(matches!(err, crate::error::Error::Invalid(_)), "{err:?}");
     }
 }

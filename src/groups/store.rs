@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use super::config::{config_key, go_json, validate_membership, ELASTIC_BUCKET, STATIC_BUCKET};
 use super::spec::{GroupConfig, GroupKind};
 use super::view::GroupSummary;
-use crate::error::ApiError;
+use crate::error::Error;
 use crate::names::{GroupName, StreamName};
 use crate::nats::errors::{is_not_found, stream_read_error, unavailable_or_internal};
 
@@ -48,7 +48,7 @@ impl GroupAdmin {
         Self { js }
     }
 
-    pub(super) async fn bucket(&self, name: &str) -> Result<Option<kv::Store>, ApiError> {
+    pub(super) async fn bucket(&self, name: &str) -> Result<Option<kv::Store>, Error> {
         match self.js.get_key_value(name).await {
             Ok(store) => Ok(Some(store)),
             Err(e) if is_not_found(&e) => Ok(None),
@@ -56,7 +56,7 @@ impl GroupAdmin {
         }
     }
 
-    pub(super) async fn bucket_or_create(&self, name: &str, replicas: usize) -> Result<kv::Store, ApiError> {
+    pub(super) async fn bucket_or_create(&self, name: &str, replicas: usize) -> Result<kv::Store, Error> {
         if let Some(store) = self.bucket(name).await? {
             return Ok(store);
         }
@@ -76,7 +76,7 @@ impl GroupAdmin {
         }
     }
 
-    pub(super) async fn stream_info(&self, stream: &str) -> Result<stream::Info, ApiError> {
+    pub(super) async fn stream_info(&self, stream: &str) -> Result<stream::Info, Error> {
         match self.js.get_stream(stream).await {
             // Deleted between the two requests: as unknown as never created.
             Ok(mut s) => s.info().await.cloned().map_err(|e| stream_read_error(stream, e)),
@@ -84,12 +84,7 @@ impl GroupAdmin {
         }
     }
 
-    pub(super) async fn read(
-        &self,
-        kind: GroupKind,
-        stream: &str,
-        group: &str,
-    ) -> Result<Option<StoredGroup>, ApiError> {
+    pub(super) async fn read(&self, kind: GroupKind, stream: &str, group: &str) -> Result<Option<StoredGroup>, Error> {
         let bucket = match kind {
             GroupKind::Static => STATIC_BUCKET,
             GroupKind::Elastic => ELASTIC_BUCKET,
@@ -103,7 +98,7 @@ impl GroupAdmin {
             return Ok(None);
         }
         let config = parse_stored(kind, &entry.value).map_err(|why| {
-            ApiError::Unprocessable(format!(
+            Error::Unprocessable(format!(
                 "group {group} on {stream} has an invalid {} configuration: {why}",
                 kind.as_str()
             ))
@@ -117,7 +112,7 @@ impl GroupAdmin {
         stream: &StreamName,
         group: &GroupName,
         kind: Option<GroupKind>,
-    ) -> Result<StoredGroup, ApiError> {
+    ) -> Result<StoredGroup, Error> {
         let kinds: Vec<GroupKind> = kind.map_or_else(|| vec![GroupKind::Static, GroupKind::Elastic], |k| vec![k]);
         let mut found = Vec::new();
         for k in kinds {
@@ -126,16 +121,16 @@ impl GroupAdmin {
             }
         }
         match found.len() {
-            0 => Err(ApiError::NotFound(format!("group {group} not found on stream {stream}"))),
+            0 => Err(Error::NotFound(format!("group {group} not found on stream {stream}"))),
             1 => Ok(found.remove(0)),
-            _ => Err(ApiError::Conflict(format!(
+            _ => Err(Error::Conflict(format!(
                 "group {group} exists as both a static and an elastic group on {stream}; add ?kind=static or ?kind=elastic"
             ))),
         }
     }
 
     /// keygate's settings of a group (defaults when none are stored).
-    pub async fn settings(&self, stream: &StreamName, group: &GroupName) -> Result<GroupSettings, ApiError> {
+    pub async fn settings(&self, stream: &StreamName, group: &GroupName) -> Result<GroupSettings, Error> {
         let Some(store) = self.bucket(SETTINGS_BUCKET).await? else { return Ok(GroupSettings::default()) };
         let value = store
             .get(config_key(stream.as_str(), group.as_str()))
@@ -145,7 +140,7 @@ impl GroupAdmin {
     }
 
     /// Groups on a stream, both flavours, sorted by name.
-    pub async fn list(&self, stream: &StreamName) -> Result<Vec<GroupSummary>, ApiError> {
+    pub async fn list(&self, stream: &StreamName) -> Result<Vec<GroupSummary>, Error> {
         self.stream_info(stream.as_str()).await?;
         let mut out: Vec<GroupSummary> = self
             .list_all()
@@ -159,7 +154,7 @@ impl GroupAdmin {
     }
 
     /// Every group on every stream, by the keys of both configuration buckets.
-    pub async fn list_all(&self) -> Result<Vec<(StreamName, GroupName, GroupKind)>, ApiError> {
+    pub async fn list_all(&self) -> Result<Vec<(StreamName, GroupName, GroupKind)>, Error> {
         let mut out = Vec::new();
         for (kind, bucket) in [(GroupKind::Static, STATIC_BUCKET), (GroupKind::Elastic, ELASTIC_BUCKET)] {
             let Some(store) = self.bucket(bucket).await? else { continue };
@@ -205,9 +200,9 @@ pub(super) fn sorted(items: &[String]) -> Vec<String> {
     v
 }
 
-pub(super) fn cas_error(what: &str, e: kv::UpdateError) -> ApiError {
+pub(super) fn cas_error(what: &str, e: kv::UpdateError) -> Error {
     if e.kind() == kv::UpdateErrorKind::WrongLastRevision {
-        ApiError::Conflict("the group changed concurrently; read it again and retry".into())
+        Error::Conflict("the group changed concurrently; read it again and retry".into())
     } else {
         unavailable_or_internal(what, e)
     }

@@ -14,7 +14,7 @@ use utoipa::openapi::OpenApi;
 
 use crate::app::AppState;
 use crate::auth::Requirement;
-use crate::error::ApiError;
+use crate::http::problem::ApiError;
 use crate::names::{GroupName, StreamName};
 
 /// The name of the bearer scheme in the OpenAPI document.

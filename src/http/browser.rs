@@ -15,7 +15,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
 use crate::app::AppState;
-use crate::error::ApiError;
+use crate::http::problem::ApiError;
 
 /// Whether `host` (a `Host` header: name or address, maybe with a port)
 /// names this machine's loopback interface.

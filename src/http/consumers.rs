@@ -9,7 +9,7 @@ use super::extract::{Json, Path};
 use crate::app::AppState;
 use crate::consumers::{ConsumerPutOutcome, ConsumerSpec, ConsumerView, Policy};
 use crate::delivery::webhook::{Backoff, Registration, SubscriberOptions, WebhookSpec};
-use crate::error::{ApiError, Problem};
+use crate::http::problem::{ApiError, Problem};
 use crate::names::{ConsumerName, MemberName, StreamName};
 
 /// Creates (201) or updates (200) a durable pull consumer with a policy.

@@ -11,8 +11,8 @@ use utoipa::IntoParams;
 
 use super::extract::Query;
 use crate::app::AppState;
-use crate::error::{ApiError, Problem};
 use crate::events::subject_filter;
+use crate::http::problem::{ApiError, Problem};
 use crate::names::{GroupName, MemberName, StreamName};
 
 /// Which events to follow.

@@ -5,7 +5,7 @@ use axum::extract::{FromRequest, FromRequestParts};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
-use crate::error::ApiError;
+use crate::http::problem::ApiError;
 
 /// JSON body; a bad body or content type is a problem+json 400/415/413.
 #[derive(Debug, FromRequest)]

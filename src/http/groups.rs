@@ -7,12 +7,12 @@ use utoipa::{IntoParams, ToSchema};
 
 use super::extract::{Json, Path, Query};
 use crate::app::AppState;
-use crate::error::{ApiError, Problem};
 use crate::groups::admin::PutOutcome;
 use crate::groups::config::MemberMapping;
 use crate::groups::spec::Mapping;
 use crate::groups::view::{GroupSummary, GroupView, MembershipView};
 use crate::groups::{GroupKind, GroupSpec};
+use crate::http::problem::{ApiError, Problem};
 use crate::member::control::{ask, BlockedPartition, Control};
 use crate::member_ref::MemberRef;
 use crate::names::{GroupName, MemberName, StreamName};

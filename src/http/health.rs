@@ -8,7 +8,7 @@ use utoipa::ToSchema;
 
 use super::extract::Json;
 use crate::app::AppState;
-use crate::error::ApiError;
+use crate::http::problem::ApiError;
 
 /// Readiness details.
 #[derive(Debug, Serialize, ToSchema)]
@@ -34,7 +34,7 @@ pub async fn healthz() -> &'static str {
     tag = "health",
     responses(
         (status = 200, description = "ready", body = Readiness),
-        (status = 503, description = "not ready", body = crate::error::Problem, content_type = "application/problem+json")
+        (status = 503, description = "not ready", body = crate::http::problem::Problem, content_type = "application/problem+json")
     )
 )]
 pub async fn readyz(State(state): State<AppState>) -> Result<Json<Readiness>, ApiError> {

@@ -5,16 +5,29 @@ use axum::http::HeaderMap;
 
 use super::extract::{Json, Path};
 use crate::app::AppState;
-use crate::error::{ApiError, Problem};
-use crate::names::StreamName;
-use crate::publish::{self, BatchItem, BatchRequest, BatchResponse, PublishAck, PublishRequest};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
-fn record(
-    stream: &StreamName,
-    results: &[Result<PublishAck, ApiError>],
-    kind: &'static str,
-    started: std::time::Instant,
-) {
+use crate::error::Error;
+use crate::http::problem::{ApiError, Problem};
+use crate::names::StreamName;
+use crate::publish::{self, BatchRequest, PublishAck, PublishRequest};
+
+/// One item of a batch answer: the ack or the problem.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(untagged)]
+pub enum BatchItem {
+    Ok(PublishAck),
+    Err { error: Problem },
+}
+
+/// Answers to a batch, in request order.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct BatchResponse {
+    pub results: Vec<BatchItem>,
+}
+
+fn record(stream: &StreamName, results: &[Result<PublishAck, Error>], kind: &'static str, started: std::time::Instant) {
     use crate::metrics::{PUBLISHED, PUBLISH_SECONDS};
     // One increment per outcome and request, not per message.
     let mut counts = [0u64; 3];
@@ -78,7 +91,7 @@ pub async fn publish_message(
     let results = publish::publish_all(&state.js, &shape, vec![prepared]).await;
     record(&stream, &results, "single", started);
     let mut results = results;
-    results.pop().unwrap_or_else(|| Err(ApiError::Internal("no publish result".into()))).map(Json)
+    results.pop().unwrap_or_else(|| Err(Error::Internal("no publish result".into()))).map(Json).map_err(ApiError::from)
 }
 
 /// Publishes several messages with all acks in flight at once; answers each
@@ -122,11 +135,11 @@ pub async fn publish_batch(
         }
         let started = std::time::Instant::now();
         let acks = publish::publish_atomic(&state.nats, &shape, prepared).await;
-        let results: Vec<Result<PublishAck, ApiError>> = match acks {
+        let results: Vec<Result<PublishAck, Error>> = match acks {
             Ok(acks) => acks.into_iter().map(Ok).collect(),
             Err(e) => {
                 record(&stream, &[Err(e.clone())], "atomic", started);
-                return Err(e);
+                return Err(e.into());
             }
         };
         record(&stream, &results, "atomic", started);
@@ -141,7 +154,7 @@ pub async fn publish_batch(
         .into_iter()
         .map(|r| match r {
             Ok(ack) => BatchItem::Ok(ack),
-            Err(e) => BatchItem::Err { error: e.problem() },
+            Err(e) => BatchItem::Err { error: ApiError::from(e).problem() },
         })
         .collect();
     Ok(Json(BatchResponse { results }))

@@ -9,6 +9,7 @@ pub mod extract;
 pub mod groups;
 pub mod health;
 pub mod messages;
+pub mod problem;
 pub mod serve;
 pub mod streams;
 pub mod webhooks;
@@ -25,7 +26,7 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use crate::app::AppState;
-use crate::error::ApiError;
+use crate::http::problem::ApiError;
 
 /// The document's fixed parts; paths and schemas come from the handlers.
 #[derive(OpenApi)]

@@ -5,7 +5,7 @@ use axum::http::StatusCode;
 
 use super::extract::{Json, Path, Query};
 use crate::app::AppState;
-use crate::error::{ApiError, Problem};
+use crate::http::problem::{ApiError, Problem};
 use crate::names::StreamName;
 use crate::streams::{StreamPutOutcome, StreamSpec, StreamView};
 
@@ -90,8 +90,8 @@ pub async fn delete_stream(
 ) -> Result<StatusCode, ApiError> {
     let groups = match state.groups.list(&stream).await {
         Ok(groups) => groups,
-        Err(ApiError::NotFound(_)) => Vec::new(),
-        Err(e) => return Err(e),
+        Err(crate::error::Error::NotFound(_)) => Vec::new(),
+        Err(e) => return Err(e.into()),
     };
     if !groups.is_empty() && !query.cascade {
         let names: Vec<String> = groups.iter().map(|g| format!("{} ({})", g.group, g.kind.as_str())).collect();

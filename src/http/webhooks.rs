@@ -6,7 +6,7 @@ use axum::http::StatusCode;
 use super::extract::{Json, Path};
 use crate::app::AppState;
 use crate::delivery::webhook::{registration_key, Registration, WebhookSpec, WebhookView};
-use crate::error::{ApiError, Problem};
+use crate::http::problem::{ApiError, Problem};
 use crate::names::{GroupName, MemberName, StreamName};
 
 fn view(

@@ -22,7 +22,7 @@ use crate::delivery::endpoint::Endpoint;
 use crate::delivery::frames::{ClientFrame, ServerFrame};
 use crate::delivery::webhook::Backoff;
 use crate::delivery::websocket::SocketEndpoint;
-use crate::error::{ApiError, Problem};
+use crate::http::problem::{ApiError, Problem};
 use crate::member::instance::serve_member;
 use crate::member_ref::MemberRef;
 use crate::names::{ConsumerName, GroupName, MemberName, StreamName};

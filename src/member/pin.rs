@@ -1,7 +1,7 @@
 //! The pin as one instance holds it, for group members and plain
 //! consumers' subscribers alike: the state and its transitions (pure), and
 //! how a change is told to events and to a WebSocket client.
-//! docs/architecture.md, "The pin, the handover barrier and fencing".
+//! docs/architecture.md, "Why lanes, the handover barrier and fencing tokens".
 
 use async_nats::jetstream::consumer;
 

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::error::ApiError;
+use crate::error::Error;
 use crate::groups::view::{BlockedView, GroupView, InstanceState};
 use crate::groups::{GroupAdmin, GroupKind};
 use crate::member::control::{ask, Control};
@@ -24,7 +24,7 @@ pub async fn observe(
     group: &GroupName,
     kind: Option<GroupKind>,
     roll_call: bool,
-) -> Result<GroupView, ApiError> {
+) -> Result<GroupView, Error> {
     let mut view = groups.view(stream, group, kind).await?;
     let asks = view.assignment.iter().filter(|m| m.pinned_client_id.is_some()).filter_map(|m| {
         let who = MemberRef {

@@ -16,5 +16,6 @@ mod openapi;
 mod publish;
 mod serve;
 mod streams;
-mod support;
 mod websocket;
+
+use keygate_testkit as support;

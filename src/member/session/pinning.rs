@@ -1,7 +1,7 @@
 //! A session's pin: the handover barrier when it is gained, the fencing
 //! token, stepping down when it is lost or the server goes quiet, and
-//! noticing that another instance holds it (docs/architecture.md, "The
-//! pin, the handover barrier and fencing").
+//! noticing that another instance holds it (docs/architecture.md, "Why
+//! lanes, the handover barrier and fencing tokens").
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};

@@ -1,109 +1,18 @@
-//! Test support: a real nats-server per test (free loopback port, temp
-//! store, killed on drop) and keygate started in-process against it.
+//! keygate started in-process against a nats-server of its own, and the
+//! helpers tests call it with.
 
-#![allow(dead_code)]
-
-pub mod browser;
-pub mod cluster;
-pub mod process;
-pub mod proxy;
-pub mod receiver;
-pub mod ws;
-
-pub use process::{free_port, nats_server_binary};
-
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use keygate::Settings;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
-/// A nats-server with JetStream, stopped when dropped.
-pub struct NatsServer {
-    child: Child,
-    pub port: u16,
-    pub store: tempfile::TempDir,
-}
+use crate::nats::NatsServer;
 
 /// An HTTP client for tests (reqwest needs a TLS provider chosen).
 pub fn http_client() -> reqwest::Client {
     let _ = rustls::crypto::ring::default_provider().install_default();
     reqwest::Client::new()
-}
-
-impl NatsServer {
-    /// Starts a server and waits until it accepts connections.
-    pub fn start() -> Self {
-        Self::start_with(&[])
-    }
-
-    /// Starts a server with extra command-line arguments.
-    pub fn start_with(extra: &[&str]) -> Self {
-        for _ in 0..5 {
-            let store = tempfile::tempdir().unwrap();
-            let port = free_port();
-            let child = Command::new(nats_server_binary())
-                .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
-                .arg(store.path())
-                .args(extra)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("starting nats-server");
-            let mut server = Self { child, port, store };
-            if server.wait_ready() {
-                return server;
-            }
-        }
-        panic!("nats-server did not start");
-    }
-
-    fn wait_ready(&mut self) -> bool {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return false;
-            }
-            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
-                return true;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        false
-    }
-
-    pub fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
-    }
-
-    /// SIGKILL, then a new server on the same port and store (file store:
-    /// what it acknowledged is on disk).
-    pub fn restart(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        for _ in 0..50 {
-            self.child = Command::new(nats_server_binary())
-                .args(["-js", "-a", "127.0.0.1", "-p", &self.port.to_string(), "-sd"])
-                .arg(self.store.path())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("starting nats-server");
-            if self.wait_ready() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        panic!("nats-server did not restart on port {}", self.port);
-    }
-}
-
-impl Drop for NatsServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// keygate running in-process against its own nats-server.
@@ -273,72 +182,5 @@ where
         }
         assert!(Instant::now() < deadline, "condition not met within {limit:?}");
         tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-}
-
-/// keygate as its own process (to be killed with SIGKILL).
-pub struct KeygateProcess {
-    child: Child,
-    pub base: String,
-}
-
-impl KeygateProcess {
-    pub fn start(nats_url: &str, instance_id: &str) -> Self {
-        Self::start_logging(nats_url, instance_id, "warn", &[], Stdio::null())
-    }
-
-    /// Starts with a log filter, extra flags, and standard output (where logs go) sent to `logs`.
-    pub fn start_logging(nats_url: &str, instance_id: &str, filter: &str, extra: &[&str], logs: Stdio) -> Self {
-        let port = free_port();
-        let child = Command::new(env!("CARGO_BIN_EXE_keygate"))
-            .args([
-                "serve",
-                "--nats-url",
-                nats_url,
-                "--listen",
-                &format!("127.0.0.1:{port}"),
-                "--instance-id",
-                instance_id,
-            ])
-            .args(extra)
-            .env("KEYGATE_LOG", filter)
-            .stdout(logs)
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("starting keygate");
-        Self { child, base: format!("http://127.0.0.1:{port}") }
-    }
-
-    pub async fn wait_ready(&self, http: &reqwest::Client) {
-        let url = format!("{}/readyz", self.base);
-        eventually(Duration::from_secs(20), || async {
-            let r = http.get(&url).send().await.ok()?;
-            (r.status() == 200).then_some(())
-        })
-        .await;
-    }
-
-    /// SIGTERM, then waits for the exit status.
-    pub async fn terminate(mut self) -> std::process::ExitStatus {
-        Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap();
-        let mut child = std::mem::replace(&mut self.child, Command::new("true").spawn().unwrap());
-        tokio::task::spawn_blocking(move || child.wait()).await.unwrap().unwrap()
-    }
-
-    /// Takes the process's standard output (when started with a pipe).
-    pub fn take_stdout(&mut self) -> Option<std::process::ChildStdout> {
-        self.child.stdout.take()
-    }
-
-    /// SIGKILL: no shutdown, no acks, no unpin.
-    pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for KeygateProcess {
-    fn drop(&mut self) {
-        self.kill();
     }
 }

@@ -6,7 +6,7 @@
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::process::{free_port, nats_server_binary};
+use crate::nats::{free_port, nats_server_binary};
 
 pub struct ClusterNode {
     pub name: String,

@@ -1,0 +1,156 @@
+//! keygate as its own process, for tests that SIGKILL it and benchmarks
+//! that measure its memory: started from the binary cargo built beside the
+//! test or benchmark, killed when dropped.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use crate::app::eventually;
+use crate::nats::{free_port, NatsEndpoint};
+
+/// The keygate binary of the profile the caller was built with: cargo puts
+/// a package's binaries beside the `deps/` folder of its test and benchmark
+/// executables (`KEYGATE_TEST_BIN` overrides it).
+pub fn keygate_binary() -> PathBuf {
+    if let Some(path) = std::env::var_os("KEYGATE_TEST_BIN") {
+        return path.into();
+    }
+    let exe = std::env::current_exe().expect("the running executable's path");
+    let profile_dir = exe.parent().and_then(|deps| deps.parent()).expect("a target/<profile>/deps executable");
+    let binary = profile_dir.join("keygate");
+    assert!(binary.is_file(), "{} is missing: cargo builds it with the tests and benchmarks", binary.display());
+    binary
+}
+
+/// How to start one keygate process.
+pub struct Launch<'a> {
+    pub nats: NatsEndpoint,
+    pub instance_id: Option<&'a str>,
+    /// `KEYGATE_LOG`.
+    pub log_filter: &'a str,
+    pub extra: &'a [&'a str],
+    /// Where standard output (the logs) goes.
+    pub logs: Stdio,
+}
+
+impl Launch<'_> {
+    fn plain(nats: NatsEndpoint) -> Self {
+        Self { nats, instance_id: None, log_filter: "warn", extra: &[], logs: Stdio::null() }
+    }
+}
+
+pub struct KeygateProcess {
+    child: Child,
+    pub base: String,
+}
+
+impl KeygateProcess {
+    /// keygate against `nats_url` (no credentials), named `instance_id`, logging warnings.
+    pub fn start(nats_url: &str, instance_id: &str) -> Self {
+        Self::launch(Launch { instance_id: Some(instance_id), ..Launch::plain(NatsEndpoint::open(nats_url)) })
+    }
+
+    /// Starts with a log filter, extra flags, and standard output (where logs go) sent to `logs`.
+    pub fn start_logging(nats_url: &str, instance_id: &str, filter: &str, extra: &[&str], logs: Stdio) -> Self {
+        Self::launch(Launch {
+            nats: NatsEndpoint::open(nats_url),
+            instance_id: Some(instance_id),
+            log_filter: filter,
+            extra,
+            logs,
+        })
+    }
+
+    /// A benchmark's keygate: errors-only logs and no backlog sampling, so
+    /// what is measured is delivery.
+    pub fn for_bench(nats: &NatsEndpoint, instance_id: Option<&str>) -> Self {
+        Self::launch(Launch {
+            instance_id,
+            log_filter: "error",
+            extra: &["--backlog-sample-secs", "0"],
+            ..Launch::plain(nats.clone())
+        })
+    }
+
+    pub fn launch(launch: Launch<'_>) -> Self {
+        let port = free_port();
+        let mut command = Command::new(keygate_binary());
+        command.args(["serve", "--listen", &format!("127.0.0.1:{port}")]);
+        launch.nats.command(&mut command);
+        if let Some(id) = launch.instance_id {
+            command.args(["--instance-id", id]);
+        }
+        let child = command
+            .args(launch.extra)
+            .env("KEYGATE_LOG", launch.log_filter)
+            .stdout(launch.logs)
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting keygate");
+        Self { child, base: format!("http://127.0.0.1:{port}") }
+    }
+
+    pub async fn wait_ready(&self, http: &reqwest::Client) {
+        let url = format!("{}/readyz", self.base);
+        eventually(Duration::from_secs(20), || async {
+            let r = http.get(&url).send().await.ok()?;
+            (r.status() == 200).then_some(())
+        })
+        .await;
+    }
+
+    /// The WebSocket URL of a group member.
+    pub fn ws(&self, stream: &str, group: &str, member: &str) -> String {
+        format!("{}/v1/streams/{stream}/groups/{group}/members/{member}/ws", self.base.replacen("http", "ws", 1))
+    }
+
+    /// Resident memory of the keygate process, in MiB.
+    pub fn rss_mib(&self) -> f64 {
+        self.status_field("VmRSS:") / 1024.0
+    }
+
+    /// OS threads of the keygate process.
+    pub fn threads(&self) -> u64 {
+        self.status_field("Threads:") as u64
+    }
+
+    /// Open file descriptors of the keygate process.
+    pub fn open_fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.child.id())).map(|d| d.count()).unwrap_or(0)
+    }
+
+    fn status_field(&self, field: &str) -> f64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(field))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap()
+    }
+
+    /// SIGTERM, then waits for the exit status.
+    pub async fn terminate(mut self) -> std::process::ExitStatus {
+        Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap();
+        let mut child = std::mem::replace(&mut self.child, Command::new("true").spawn().unwrap());
+        tokio::task::spawn_blocking(move || child.wait()).await.unwrap().unwrap()
+    }
+
+    /// Takes the process's standard output (when started with a pipe).
+    pub fn take_stdout(&mut self) -> Option<std::process::ChildStdout> {
+        self.child.stdout.take()
+    }
+
+    /// SIGKILL: no shutdown, no acks, no unpin.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for KeygateProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
