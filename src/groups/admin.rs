@@ -66,10 +66,10 @@ impl GroupAdmin {
             None => {
                 match &config {
                     GroupConfig::Static(c) => {
-                        check_static_stream(&info, c.max_members)?;
+                        check_static_stream(&info.config, c.max_members)?;
                         self.check_consumer_names_free(stream, group, &config).await?;
                     }
-                    GroupConfig::Elastic(c) => check_elastic_filters(&info, c)?,
+                    GroupConfig::Elastic(c) => check_elastic_filters(&info.config, c)?,
                 }
                 Reconcile::Create
             }
@@ -452,8 +452,8 @@ fn member_names(config: &GroupConfig) -> impl Iterator<Item = &str> {
 }
 
 /// What the stream stores: its subjects, or what its transform makes of them.
-fn stored_patterns(info: &stream::Info) -> Vec<SubjectPattern> {
-    match &info.config.subject_transform {
+fn stored_patterns(stream: &stream::Config) -> Vec<SubjectPattern> {
+    match &stream.subject_transform {
         Some(t) => {
             let dest: Vec<String> = t
                 .destination
@@ -462,15 +462,15 @@ fn stored_patterns(info: &stream::Info) -> Vec<SubjectPattern> {
                 .collect();
             SubjectPattern::parse(&dest.join(".")).into_iter().collect()
         }
-        None => info.config.subjects.iter().filter_map(|s| SubjectPattern::parse(s).ok()).collect(),
+        None => stream.subjects.iter().filter_map(|s| SubjectPattern::parse(s).ok()).collect(),
     }
 }
 
 /// An elastic group's filters must match something the stream stores: over
 /// a partition-stamped stream, `orders.*` matches nothing (it stores
 /// `<p>.orders.<key>`).
-fn check_elastic_filters(info: &stream::Info, config: &ElasticGroupConfig) -> Result<(), Error> {
-    let stored = stored_patterns(info);
+fn check_elastic_filters(stream: &stream::Config, config: &ElasticGroupConfig) -> Result<(), Error> {
+    let stored = stored_patterns(stream);
     for pf in config.partitioning_filters.iter().flatten() {
         let Ok(filter) = SubjectPattern::parse(&pf.filter) else { continue };
         if !stored.iter().any(|s| s.overlaps(&filter)) {
@@ -478,7 +478,7 @@ fn check_elastic_filters(info: &stream::Info, config: &ElasticGroupConfig) -> Re
             return Err(Error::Unprocessable(format!(
                 "filter {:?} matches nothing stream {} stores ({}); a partition-stamped stream stores <partition>.<subject>",
                 pf.filter,
-                info.config.name,
+                stream.name,
                 stored_text.join(", ")
             )));
         }
@@ -487,23 +487,23 @@ fn check_elastic_filters(info: &stream::Info, config: &ElasticGroupConfig) -> Re
 }
 
 /// A static group needs a stream stamped with the same partition count.
-fn check_static_stream(info: &stream::Info, partitions: u32) -> Result<(), Error> {
-    let stamped = info.config.subject_transform.as_ref().and_then(|t| PartitionSpec::from_transform(&t.destination));
+fn check_static_stream(stream: &stream::Config, partitions: u32) -> Result<(), Error> {
+    let stamped = stream.subject_transform.as_ref().and_then(|t| PartitionSpec::from_transform(&t.destination));
     match stamped {
         Some(spec) if spec.partitions == partitions => Ok(()),
         Some(spec) => Err(Error::Unprocessable(format!(
             "stream {} is stamped with {} partitions; a static group over it must have {}",
-            info.config.name, spec.partitions, spec.partitions
+            stream.name, spec.partitions, spec.partitions
         ))),
         None => {
-            let pre_stamped = !info.config.subjects.is_empty()
-                && info.config.subjects.iter().all(|s| s.starts_with("*.") || s == ">");
+            let pre_stamped =
+                !stream.subjects.is_empty() && stream.subjects.iter().all(|s| s.starts_with("*.") || s == ">");
             if pre_stamped {
                 Ok(())
             } else {
                 Err(Error::Unprocessable(format!(
                     "stream {} is not partition-stamped: create it with \"partitions\", or use an elastic group",
-                    info.config.name
+                    stream.name
                 )))
             }
         }
@@ -563,5 +563,42 @@ mod tests {
         let buffered =
             elastic(r#"{"max_members":4,"partitioning_filters":null,"max_buffered_msg":11,"members":["a","b"]}"#);
         assert!(matches!(plan_reconcile(&have, &buffered, true), Err(Error::Conflict(_))));
+    }
+
+    fn stream(subjects: &[&str], transform: Option<(&str, &str)>) -> stream::Config {
+        stream::Config {
+            name: "S".into(),
+            subjects: subjects.iter().map(|s| s.to_string()).collect(),
+            subject_transform: transform.map(|(source, destination)| stream::SubjectTransform {
+                source: source.into(),
+                destination: destination.into(),
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_static_group_needs_a_stream_stamped_with_its_partition_count() {
+        let stamped = stream(&["orders.*"], Some(("orders.*", "{{partition(4,1)}}.orders.{{wildcard(1)}}")));
+        assert!(check_static_stream(&stamped, 4).is_ok());
+        assert!(matches!(check_static_stream(&stamped, 8), Err(Error::Unprocessable(m)) if m.contains("4 partitions")));
+        assert!(check_static_stream(&stream(&["*.orders.*"], None), 8).is_ok(), "stamped by its publishers");
+        assert!(matches!(check_static_stream(&stream(&["orders.*"], None), 4), Err(Error::Unprocessable(_))));
+    }
+
+    #[test]
+    fn elastic_filters_must_match_what_the_stream_stores() {
+        let filters = |filter: &str| {
+            serde_json::from_value::<ElasticGroupConfig>(serde_json::json!({
+                "max_members": 4,
+                "partitioning_filters": [{"filter": filter, "partitioning_wildcards": [1]}]
+            }))
+            .unwrap()
+        };
+        let plain = stream(&["orders.*"], None);
+        assert!(check_elastic_filters(&plain, &filters("orders.*")).is_ok());
+        let stamped = stream(&["orders.*"], Some(("orders.*", "{{partition(4,1)}}.orders.{{wildcard(1)}}")));
+        assert!(matches!(check_elastic_filters(&stamped, &filters("orders.*")), Err(Error::Unprocessable(_))));
+        assert!(check_elastic_filters(&stamped, &filters("*.orders.*")).is_ok(), "<partition>.orders.<key>");
     }
 }

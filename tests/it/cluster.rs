@@ -253,10 +253,17 @@ async fn groups_keep_being_served_while_leader_nodes_are_killed_and_restarted() 
         .await;
         assert_eq!(status, 200);
     }
-    let (_, view) = {
-        let r = http.get(format!("{}/v1/streams/EV/groups/el", bases[0])).send().await.unwrap();
-        (r.status(), r.json::<Value>().await.unwrap())
-    };
+    // The restarted node can set off a new election of the bucket's leader,
+    // and reads answer a retryable 503 until it settles: retry as a client would.
+    let view = eventually(Duration::from_secs(30), || async {
+        let r = http.get(format!("{}/v1/streams/EV/groups/el", bases[0])).send().await.ok()?;
+        if r.status() == 503 {
+            return None;
+        }
+        assert_eq!(r.status(), 200, "reading the group after the outage");
+        r.json::<Value>().await.ok()
+    })
+    .await;
     assert_eq!(view["members"], json!(["e1"]), "{view}");
 
     // Keep publishing a little with every node back, then drain.
