@@ -18,6 +18,7 @@ use utoipa::ToSchema;
 
 use crate::error::Error;
 use crate::groups::config::PRIORITY_GROUP;
+use crate::groups::GroupAdmin;
 use crate::names::{ConsumerName, StreamName};
 use crate::nats::errors::{is_not_found, is_transient, jetstream_error_code, unavailable_or_internal, BrokerError};
 use crate::partition::SubjectPattern;
@@ -294,6 +295,7 @@ impl Consumers {
         spec: ConsumerSpec,
     ) -> Result<(ConsumerPutOutcome, ConsumerView), Error> {
         let config = spec.into_config(name)?;
+        self.check_not_a_members(stream, name).await?;
         let existing = self.info(stream, name).await?;
         self.check_filters(stream, &config.filter_subjects).await?;
         if let Some(info) = &existing {
@@ -316,6 +318,19 @@ impl Consumers {
         result?;
         let info = self.info(stream, name).await?.ok_or_else(|| Error::Internal("consumer vanished".into()))?;
         Ok((outcome, view(&info)))
+    }
+
+    /// A static group member's consumer is refused even before the member
+    /// created it: a plain consumer of that name would be taken by the
+    /// member's instances, or stop them from joining.
+    async fn check_not_a_members(&self, stream: &StreamName, name: &ConsumerName) -> Result<(), Error> {
+        let members = GroupAdmin::new(self.js.clone()).static_member_consumers(stream).await?;
+        match members.iter().find(|(_, consumer)| consumer == name.as_str()) {
+            Some((group, _)) => Err(Error::Conflict(format!(
+                "consumer {name} is the consumer of a member of group {group}; manage it through the group"
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// The server accepts a filter that matches none of the stream's
@@ -360,6 +375,7 @@ impl Consumers {
     /// the member's pin and deliver without key order.
     pub async fn subscribable(&self, stream: &StreamName, name: &ConsumerName) -> Result<ConsumerView, Error> {
         let info = self.info(stream, name).await?.ok_or_else(|| not_found(stream, name))?;
+        self.check_not_a_members(stream, name).await?;
         if info.config.priority_groups.iter().any(|g| g == PRIORITY_GROUP) {
             return Err(Error::Conflict(format!(
                 "consumer {name} belongs to a partitioned consumer group member; join the group as that member instead"

@@ -78,13 +78,16 @@ pub async fn record(js: &jetstream::Context, letter: DeadLetter<'_>) -> anyhow::
     let id = dead_letter_id(letter.owner, letter.stream, letter.group, letter.member, letter.stream_seq);
     headers.insert("Nats-Msg-Id", id.as_str());
     let subject = format!("keygate.dlq.{}.{}.{}", letter.stream, letter.group, letter.member);
-    let ack = js.publish_with_headers(subject, headers, letter.payload).await?.await?;
+    let ack = js.publish_with_headers(subject, headers, letter.payload.clone()).await?.await?;
     if ack.duplicate {
         let stored = js.get_stream_no_info(DEAD_LETTER_STREAM).await?.get_raw_message(ack.sequence).await?;
-        let same = stored.headers.get("Nats-Msg-Id").map(|v| v.as_str()) == Some(id.as_str())
-            && stored.headers.get("keygate-owner").map(|v| v.as_str()) == Some(letter.owner.as_str())
-            && stored.headers.get("keygate-stream-seq").map(|v| v.as_str())
-                == Some(letter.stream_seq.to_string().as_str());
+        let header = |name: &str| stored.headers.get(name).map(|v| v.as_str().to_owned());
+        // The id names the holder and the sequence; the subject and payload
+        // tell this message apart from another one that had the same
+        // sequence (its stream deleted and created again meanwhile).
+        let same = header("Nats-Msg-Id").as_deref() == Some(id.as_str())
+            && header("keygate-subject").as_deref() == Some(letter.subject)
+            && stored.payload == letter.payload;
         if !same {
             anyhow::bail!(
                 "the dead-letter stream answered duplicate for {id}, but the stored copy is another message's"

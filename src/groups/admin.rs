@@ -150,22 +150,30 @@ impl GroupAdmin {
         config: &GroupConfig,
     ) -> Result<(), Error> {
         let ours: Vec<String> = member_names(config).map(|m| static_consumer_name(group.as_str(), m)).collect();
-        for summary in self.list(stream).await? {
-            if summary.kind != GroupKind::Static || summary.group == group.as_str() {
-                continue;
-            }
-            let Some(other) = self.read(GroupKind::Static, stream.as_str(), &summary.group).await? else { continue };
-            for member in member_names(&other.config) {
-                let theirs = static_consumer_name(&summary.group, member);
-                if ours.contains(&theirs) {
-                    return Err(Error::Conflict(format!(
-                        "consumer {theirs} already belongs to group {} on {stream}; choose other group or member names",
-                        summary.group
-                    )));
-                }
+        for (other, theirs) in self.static_member_consumers(stream).await? {
+            if other != group.as_str() && ours.contains(&theirs) {
+                return Err(Error::Conflict(format!(
+                    "consumer {theirs} already belongs to group {other} on {stream}; choose other group or member names"
+                )));
             }
         }
         Ok(())
+    }
+
+    /// (group, consumer) of every static group member's consumer on `stream`,
+    /// whether or not the consumer exists yet (members create their own).
+    pub async fn static_member_consumers(&self, stream: &StreamName) -> Result<Vec<(String, String)>, Error> {
+        let mut out = Vec::new();
+        for summary in self.list(stream).await? {
+            if summary.kind != GroupKind::Static {
+                continue;
+            }
+            let Some(stored) = self.read(GroupKind::Static, stream.as_str(), &summary.group).await? else { continue };
+            for member in member_names(&stored.config) {
+                out.push((summary.group.clone(), static_consumer_name(&summary.group, member)));
+            }
+        }
+        Ok(out)
     }
 
     async fn ensure_work_queue(

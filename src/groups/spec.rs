@@ -159,6 +159,15 @@ impl GroupConfig {
         }
     }
 
+    /// The partitions `member` owns (none when it is not a member).
+    pub fn partitions_of(&self, member: &str) -> Vec<u32> {
+        super::config::ownership(self.partitions(), self.members(), self.mappings())
+            .into_iter()
+            .find(|(m, _)| m == member)
+            .map(|(_, p)| p)
+            .unwrap_or_default()
+    }
+
     /// Whether `member` belongs to the group.
     pub fn has_member(&self, member: &str) -> bool {
         match self {

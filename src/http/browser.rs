@@ -39,9 +39,11 @@ pub fn origin_allowed(origin: &str, host: &str, allowed: &[String]) -> bool {
     same || allowed.iter().any(|a| a == "*" || a.eq_ignore_ascii_case(origin))
 }
 
-/// The request's `Origin`, when a browser sent one.
+/// The request's `Origin`, when a browser sent one. `null` (a sandboxed
+/// frame, a `file:` page, a redirect across sites) is an origin too: an
+/// opaque one, never keygate's own.
 pub fn origin_of(headers: &HeaderMap) -> Option<&str> {
-    headers.get(header::ORIGIN).and_then(|v| v.to_str().ok()).filter(|o| !o.is_empty() && *o != "null")
+    headers.get(header::ORIGIN).and_then(|v| v.to_str().ok()).filter(|o| !o.is_empty())
 }
 
 /// Refuses rebinding and cross-site requests (see the module's doc).
@@ -100,5 +102,13 @@ mod tests {
         assert!(origin_allowed("https://app.test", "kg:8080", &allowed));
         assert!(!origin_allowed("https://app.test.evil", "kg:8080", &allowed));
         assert!(origin_allowed("https://any.test", "kg:8080", &["*".to_owned()]));
+    }
+
+    #[test]
+    fn an_opaque_null_origin_is_a_cross_site_origin() {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::ORIGIN, "null".parse().unwrap());
+        assert_eq!(origin_of(&headers), Some("null"));
+        assert!(!origin_allowed("null", "localhost:8080", &[]));
     }
 }

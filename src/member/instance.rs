@@ -80,7 +80,7 @@ pub async fn serve_member(
             .ok()
             .and_then(|s| s.ack_wait_ms)
             .map_or(Duration::from_millis(DEFAULT_ACK_WAIT_MS), Duration::from_millis);
-        let partitions = owned_partitions(&group.config, who.member.as_str());
+        let partitions = group.config.partitions_of(who.member.as_str());
         if last_partitions.as_ref() != Some(&partitions) {
             ctx.events.emit(Event::assignment_changed(ctx.about(&who), partitions.clone()));
             let before = last_partitions.clone().unwrap_or_default();
@@ -174,14 +174,6 @@ pub async fn serve_member(
 
 fn group_kind_is_elastic(stream_name: &str, who: &MemberRef) -> bool {
     stream_name != who.stream.as_str()
-}
-
-pub(crate) fn owned_partitions(config: &GroupConfig, member: &str) -> Vec<u32> {
-    crate::groups::config::ownership(config.partitions(), config.members(), config.mappings())
-        .into_iter()
-        .find(|(m, _)| m == member)
-        .map(|(_, p)| p)
-        .unwrap_or_default()
 }
 
 /// Sleeps; true when cancelled instead.

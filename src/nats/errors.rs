@@ -137,7 +137,23 @@ kind_class! { Consumer, jetstream: Consumer::JetStream, unanswered: [Consumer::T
 kind_class! { ConsumerStrict, jetstream: ConsumerStrict::JetStream, unanswered: [ConsumerStrict::TimedOut] }
 kind_class! { ConsumerUpdate, jetstream: ConsumerUpdate::JetStream, unanswered: [ConsumerUpdate::TimedOut], missing: [ConsumerUpdate::DoesNotExist] }
 kind_class! { DeleteMessage, jetstream: DeleteMessage::JetStream, unanswered: [DeleteMessage::TimedOut] }
-kind_class! { DirectGet, unanswered: [DirectGet::TimedOut], missing: [DirectGet::NotFound] }
+// A direct get nobody answered comes as a 503 status reply (no responders:
+// the bucket's stream has no leader yet), not as a kind of its own.
+impl KindClass for DirectGet {
+    fn jetstream(&self) -> Option<jetstream::Error> {
+        None
+    }
+    fn unanswered(&self) -> bool {
+        match self {
+            DirectGet::TimedOut => true,
+            DirectGet::ErrorResponse(status, _) => status.as_u16() == 503,
+            _ => false,
+        }
+    }
+    fn missing(&self) -> bool {
+        matches!(self, DirectGet::NotFound)
+    }
+}
 kind_class! { LastRaw, jetstream: LastRaw::JetStream, missing: [LastRaw::NoMessageFound] }
 kind_class! { Purge, jetstream: Purge::JetStream, unanswered: [Purge::TimedOut] }
 kind_class! { kv::EntryErrorKind, unanswered: [kv::EntryErrorKind::TimedOut] }
@@ -217,4 +233,19 @@ pub mod codes {
     pub const MEMORY_RESOURCES_EXCEEDED: u64 = ErrorCode::MEMORY_RESOURCES_EXCEEDED.0;
     /// More replicas than the cluster has servers.
     pub const REPLICAS_EXCEED_CLUSTER: u64 = ErrorCode::STREAM_REPLICAS_NOT_SUPPORTED.0;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_kv_read_nobody_answered_is_transient() {
+        let no_responders = DirectGet::ErrorResponse(async_nats::StatusCode::NO_RESPONDERS, "no responders".into());
+        let entry = kv::EntryError::with_source(kv::EntryErrorKind::Other, stream::DirectGetError::new(no_responders));
+        assert!(is_transient(&entry));
+        let refused = DirectGet::ErrorResponse(async_nats::StatusCode::REQUEST_TERMINATED, "terminated".into());
+        let entry = kv::EntryError::with_source(kv::EntryErrorKind::Other, stream::DirectGetError::new(refused));
+        assert!(!is_transient(&entry));
+    }
 }

@@ -3,11 +3,11 @@
 
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream::{self};
+use async_nats::jetstream::{self, ErrorCode};
 
 use super::{Prepared, PublishAck};
 use crate::error::Error;
-use crate::nats::errors::unavailable_or_internal;
+use crate::nats::errors::{unavailable_or_internal, BrokerError};
 use crate::partition::decode_key;
 use crate::streams::StreamShape;
 
@@ -113,16 +113,19 @@ pub(super) fn publish_error(e: jetstream::context::PublishError) -> Error {
                 "JetStream did not acknowledge the message; retry, with msg_id to avoid duplicates".into(),
             )
         }
-        _ => {
-            let text = e.to_string();
-            if text.contains("10060") || text.contains("expected stream") {
-                Error::Invalid(format!("the subject belongs to another stream: {text}"))
-            } else if text.contains("maximum") || text.contains("limit") || text.contains("10077") {
-                tracing::warn!(error = %text, "stream refused a message");
-                Error::Unavailable("the stream is full (a limit with discard new); retry later".into())
-            } else {
-                unavailable_or_internal("publishing", e)
+        _ => match e.jetstream().map(|js| js.error_code()) {
+            Some(ErrorCode::STREAM_NOT_MATCH) => {
+                Error::Invalid("the subject belongs to another stream than the one named".into())
             }
-        }
+            Some(ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM) => {
+                Error::TooLarge("the message exceeds the stream's max_msg_size".into())
+            }
+            // A limit with discard new: maximum messages, bytes or messages per subject.
+            Some(ErrorCode::STREAM_STORE_FAILED) => {
+                tracing::warn!(error = %e, "stream refused a message");
+                Error::Unavailable("the stream is full (a limit with discard new); retry later".into())
+            }
+            _ => unavailable_or_internal("publishing", e),
+        },
     }
 }

@@ -95,6 +95,17 @@ impl TestApp {
         self.shutdown.cancel();
     }
 
+    /// A metric's value in `/metrics` (summed over labels). The recorder is
+    /// the process's: nextest runs each test in its own.
+    pub async fn metric(&self, name: &str) -> f64 {
+        crate::keygate::metric_at(&self.http, &self.base, name).await
+    }
+
+    /// Asserts that nothing was acked or terminated without a verdict.
+    pub async fn assert_no_acks_without_verdict(&self) {
+        assert_eq!(self.metric(crate::keygate::ACKS_WITHOUT_VERDICT).await, 0.0, "keygate_acks_without_verdict_total");
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("{}{}", self.base, path)
     }

@@ -40,6 +40,21 @@ impl Launch<'_> {
     }
 }
 
+/// The counter of acks and terms sent without a verdict (docs/guarantees.md).
+pub const ACKS_WITHOUT_VERDICT: &str = "keygate_acks_without_verdict_total";
+
+/// A metric's value in the `/metrics` page of the keygate at `base`
+/// (summed over labels; 0 when absent).
+pub async fn metric_at(http: &reqwest::Client, base: &str, name: &str) -> f64 {
+    let text = http.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    text.lines()
+        .filter(|l| {
+            l.starts_with(name) && (l.as_bytes().get(name.len()) == Some(&b' ') || l[name.len()..].starts_with('{'))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 pub struct KeygateProcess {
     child: Child,
     pub base: String,
@@ -98,6 +113,16 @@ impl KeygateProcess {
             (r.status() == 200).then_some(())
         })
         .await;
+    }
+
+    /// A metric's value in this keygate's `/metrics` (summed over labels).
+    pub async fn metric(&self, http: &reqwest::Client, name: &str) -> f64 {
+        metric_at(http, &self.base, name).await
+    }
+
+    /// Messages this keygate acked or terminated without a verdict: must be 0.
+    pub async fn acks_without_verdict(&self, http: &reqwest::Client) -> f64 {
+        self.metric(http, ACKS_WITHOUT_VERDICT).await
     }
 
     /// The WebSocket URL of a group member.

@@ -15,6 +15,6 @@ pub mod rig;
 pub mod ws;
 
 pub use app::{eventually, http_client, into_parts, TestApp};
-pub use keygate::{keygate_binary, KeygateProcess};
+pub use keygate::{keygate_binary, metric_at, KeygateProcess, ACKS_WITHOUT_VERDICT};
 pub use nats::{free_port, nats_server_binary, LocalNats, NatsEndpoint, NatsServer};
 pub use rig::{baseline_consumer, env_or, put, serial_lanes, Rig};

@@ -82,10 +82,12 @@ async fn nothing_is_lost_or_reordered_while_keygate_and_nats_are_killed() {
     let started = Instant::now();
     let mut kills = 0;
     let mut nats_restarted = false;
+    let mut acks_without_verdict = 0.0;
     while !publisher.is_finished() || (kills < 6 && started.elapsed() < Duration::from_secs(60)) {
         tokio::time::sleep(KILL_EVERY).await;
         let victim = rand::random_range(0..INSTANCES.len());
         alive.lock().unwrap()[victim] = None;
+        acks_without_verdict += processes[victim].acks_without_verdict(&http).await;
         processes[victim].kill();
         kills += 1;
         if kills == 3 && !nats_restarted {
@@ -123,6 +125,10 @@ async fn nothing_is_lost_or_reordered_while_keygate_and_nats_are_killed() {
         tokio::time::sleep(Duration::from_millis(500)).await;
     };
     let drained = published_at.elapsed();
+    for p in &processes {
+        acks_without_verdict += p.acks_without_verdict(&http).await;
+    }
+    assert_eq!(acks_without_verdict, 0.0, "keygate_acks_without_verdict_total");
     stop.store(true, Ordering::Relaxed);
     socket_member.await.unwrap();
     let arrivals = std::mem::take(&mut *arrivals.lock().unwrap());
@@ -157,6 +163,7 @@ async fn nothing_is_lost_or_reordered_while_keygate_and_nats_are_killed() {
     println!("| nats-server restarts (file store) | {} |", u8::from(nats_restarted));
     println!("| lost | 0 |");
     println!("| per-key reorders | 0 |");
+    println!("| acks without a verdict | 0 |");
     println!(
         "| webhook group: deliveries, duplicates | {hook_deliveries}, {} |",
         hook_deliveries - (messages as usize - hook_skipped.len())

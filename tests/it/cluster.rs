@@ -302,6 +302,9 @@ async fn groups_keep_being_served_while_leader_nodes_are_killed_and_restarted() 
         let of_group: Vec<Recorded> = requests.iter().filter(|r| r.path.starts_with(prefix)).cloned().collect();
         assert_key_order(&of_group, &by_key, &[]);
     }
+    for r in &replicas {
+        assert_eq!(r.acks_without_verdict(&http).await, 0.0, "keygate_acks_without_verdict_total");
+    }
     println!(
         "cluster: {} messages published (2xx) and all delivered in key order; deliveries resumed {:.2} s after \
          the stream leader's node was killed and {:.2} s after the group bucket leader's node was killed \

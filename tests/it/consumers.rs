@@ -263,6 +263,7 @@ async fn priority_five_stays_idle_while_priority_zero_keeps_up_with_a_sustained_
     })
     .await;
     assert_eq!(far.requests().len(), 0, "priority 5 was served while priority 0 kept up");
+    app.assert_no_acks_without_verdict().await;
 }
 
 /// Spearman's rank correlation of two orders of the same items.
@@ -318,6 +319,7 @@ async fn shuffling_breaks_publish_order_within_its_window_and_loses_nothing() {
     assert!(peak <= 40.0 && peak > 0.0, "window peak {peak}");
     let info = app.js.get_stream("JOBS").await.unwrap().consumer_info("mix").await.unwrap();
     assert_eq!((info.num_pending, info.num_ack_pending), (0, 0), "nothing lost or left");
+    app.assert_no_acks_without_verdict().await;
 }
 
 #[tokio::test]

@@ -115,6 +115,7 @@ async fn webhooks_receive_signed_messages_in_key_order_with_keygate_headers() {
     let mut tampered = sample[0].clone();
     tampered["body"] = json!(base64::engine::general_purpose::STANDARD.encode(b"{\"n\":999}"));
     verify_with_standardwebhooks(&secret, &[tampered], false);
+    app.assert_no_acks_without_verdict().await;
 }
 
 fn verify_with_standardwebhooks(secret: &str, requests: &[Value], expect_valid: bool) {
@@ -203,6 +204,7 @@ async fn a_retried_message_is_never_overtaken_by_later_ones_of_its_key() {
     let other_done = requests.iter().filter(|r| r.key() == other && r.ok()).map(|r| r.at).max().unwrap();
     let blocked_done = retried.last().unwrap().at;
     assert!(other_done < blocked_done, "partition 1 finished while partition 0 was retrying");
+    app.assert_no_acks_without_verdict().await;
 }
 
 #[tokio::test]
@@ -237,6 +239,7 @@ async fn messages_are_dead_lettered_after_max_attempts_and_the_partition_proceed
     assert_eq!(headers.get("keygate-key").unwrap().as_str(), "poisoned");
     assert_eq!(headers.get("keygate-attempts").unwrap().as_str(), "3");
     assert!(headers.get("keygate-reason").unwrap().as_str().contains("gave up after 3 attempts"));
+    app.assert_no_acks_without_verdict().await;
 }
 
 #[tokio::test]
@@ -266,6 +269,7 @@ async fn a_refusing_endpoint_terminates_and_410_stops_serving_the_member() {
         (status == 404).then_some(())
     })
     .await;
+    app.assert_no_acks_without_verdict().await;
 }
 
 #[tokio::test]
@@ -332,6 +336,7 @@ async fn a_blocked_partition_is_visible_and_can_be_skipped_or_retried_now() {
     })
     .await;
     assert!(asked.elapsed() < Duration::from_secs(5));
+    app.assert_no_acks_without_verdict().await;
 }
 
 #[tokio::test]

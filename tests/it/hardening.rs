@@ -35,6 +35,37 @@ async fn dead_letters(app: &TestApp) -> Vec<(String, String)> {
         .collect()
 }
 
+/// A retried termination finds its dead letter already stored and goes on;
+/// a `duplicate` answer for another message under the same id (the stream
+/// was deleted and created again, and its sequences came round again) is
+/// an error, so that message is not terminated without its copy.
+#[tokio::test]
+async fn a_duplicate_dead_letter_is_accepted_only_for_the_same_message() {
+    use keygate::delivery::dead_letter::{record, DeadLetter};
+    use keygate::member_ref::Owner;
+    let app = TestApp::start().await;
+    let letter = |payload: &'static str| DeadLetter {
+        owner: Owner::Group,
+        stream: "S",
+        group: "g",
+        member: "m1",
+        subject: "s.alice",
+        key: Some("alice"),
+        partition: 0,
+        stream_seq: 7,
+        attempts: 3,
+        reason: "HTTP 500",
+        headers: None,
+        payload: payload.into(),
+    };
+    let first = record(&app.js, letter("{\"i\":1}")).await.unwrap();
+    let retried = record(&app.js, letter("{\"i\":1}")).await.unwrap();
+    assert_eq!(first, retried, "the retry finds the stored copy");
+    let error = record(&app.js, letter("{\"i\":2}")).await.unwrap_err();
+    assert!(error.to_string().contains("another message"), "{error}");
+    assert_eq!(app.stream_messages("KEYGATE_DEAD_LETTERS").await.len(), 1);
+}
+
 #[tokio::test]
 async fn a_group_and_a_plain_consumer_of_one_name_each_keep_their_dead_letter() {
     let app = TestApp::start().await;
@@ -97,6 +128,19 @@ async fn plain_consumer_routes_refuse_a_group_members_consumer() {
         Ok(_) => panic!("a plain subscriber attached to a member's consumer"),
         Err(status) => assert_eq!(status, 409),
     }
+}
+
+#[tokio::test]
+async fn a_plain_consumer_cannot_take_a_members_name_before_the_member_joins() {
+    let app = TestApp::start().await;
+    stream_and_group(&app, "g", json!(["m1"])).await;
+    // No instance has joined: the member's consumer g-m1 does not exist yet.
+    assert_eq!(app.get("/v1/streams/S/consumers/g-m1").await.0, 404);
+    let (status, problem) = app.put("/v1/streams/S/consumers/g-m1", json!({"policy":"none"})).await;
+    assert_eq!(status, 409, "{problem}");
+    assert!(problem["detail"].as_str().unwrap().contains("group g"), "{problem}");
+    assert_eq!(app.get("/v1/streams/S/consumers/g-m1").await.0, 404, "nothing was created");
+    assert_eq!(app.put("/v1/streams/S/consumers/g-m2", json!({"policy":"none"})).await.0, 201, "other names are free");
 }
 
 #[tokio::test]
@@ -188,6 +232,11 @@ async fn open_mode_answers_only_loopback_names_and_refuses_cross_site_changes() 
     let step_down = app.url("/v1/streams/S/groups/g/members/m1/step-down");
     let cross_site = app.http.post(&step_down).header("origin", "https://evil.test").send().await.unwrap();
     assert_eq!(cross_site.status(), 403);
+    // A sandboxed frame or a file: page sends the opaque origin "null".
+    for path in ["/v1/streams/S/groups/g/members/m1/step-down", "/v1/streams/S/groups/g/partitions/0/skip"] {
+        let opaque = app.http.post(app.url(path)).header("origin", "null").send().await.unwrap();
+        assert_eq!(opaque.status(), 403, "{path}");
+    }
     let own = app.base.clone();
     let same_site = app.http.post(&step_down).header("origin", own).send().await.unwrap();
     assert_ne!(same_site.status(), 403);

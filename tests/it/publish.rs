@@ -438,3 +438,29 @@ async fn a_duplicate_answer_names_the_key_on_a_stream_without_partitions() {
     assert_eq!(again["seq"], first["seq"]);
     assert_eq!(again["key"], "alice", "{again}");
 }
+
+/// The stream's own refusals, read from the server's error codes: a full
+/// stream with discard new is a retryable 503, a message over the stream's
+/// `max_msg_size` a 413.
+#[tokio::test]
+async fn a_full_stream_is_a_503_and_a_message_over_its_size_limit_a_413() {
+    use async_nats::jetstream::stream;
+    let app = TestApp::start().await;
+    app.js
+        .create_stream(stream::Config {
+            name: "FULL".into(),
+            subjects: vec!["full.*".into()],
+            max_messages: 1,
+            discard: stream::DiscardPolicy::New,
+            max_message_size: 512,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(app.post("/v1/streams/FULL/messages", json!({"key":"a","data":1})).await.0, 200);
+    let (status, problem) = app.post("/v1/streams/FULL/messages", json!({"key":"b","data":2})).await;
+    assert_eq!(status, 503, "{problem}");
+    assert!(problem["detail"].as_str().unwrap().contains("full"), "{problem}");
+    let (status, problem) = app.post("/v1/streams/FULL/messages", json!({"key":"c","data":"x".repeat(2000)})).await;
+    assert_eq!(status, 413, "{problem}");
+}

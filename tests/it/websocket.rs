@@ -92,6 +92,7 @@ async fn messages_arrive_in_key_order_with_every_field_one_in_flight_per_partiti
         (info.ack_floor.stream_sequence == 60 && info.num_ack_pending == 0).then_some(())
     })
     .await;
+    app.assert_no_acks_without_verdict().await;
 }
 
 #[tokio::test]
@@ -141,6 +142,7 @@ async fn a_nak_with_delay_blocks_only_its_partition_and_the_message_comes_back_f
     let next = client.maybe_message(WAIT).await.unwrap();
     assert_eq!((next["key"].as_str(), next["data"]["n"].as_u64()), (Some(a), Some(1)));
     client.ack(&next["id"]).await;
+    app.assert_no_acks_without_verdict().await;
 }
 
 #[tokio::test]
@@ -159,6 +161,7 @@ async fn term_dead_letters_the_message_and_the_partition_proceeds() {
     assert_eq!(dead[0].1, br#"{"n":0}"#);
     let reason = dead[0].2.as_ref().unwrap().get("keygate-reason").map(|v| v.to_string()).unwrap_or_default();
     assert!(reason.contains("terminated by the client"), "{reason}");
+    app.assert_no_acks_without_verdict().await;
 }
 
 #[tokio::test]
@@ -211,6 +214,7 @@ async fn a_standby_connection_takes_over_in_order_when_the_pinned_one_closes() {
         second.ack(&frame["id"]).await;
     }
     assert!(second.maybe_message(Duration::from_millis(300)).await.is_none(), "nothing twice");
+    app.assert_no_acks_without_verdict().await;
 }
 
 #[tokio::test]
@@ -232,6 +236,7 @@ async fn a_reconnecting_client_resumes_from_what_it_acked() {
     // received (held behind its partition's head) counts as delivered.
     assert_eq!(last["data"]["n"], 2);
     again.ack(&last["id"]).await;
+    app.assert_no_acks_without_verdict().await;
 }
 
 #[tokio::test]

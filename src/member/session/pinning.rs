@@ -14,7 +14,7 @@ use crate::member::pin::{announce_pinned, announce_standby, announce_unpinned, c
 
 impl Session {
     fn owned_partitions(&self) -> Vec<u32> {
-        crate::member::instance::owned_partitions(&self.joined.config, self.who().member.as_str())
+        self.joined.config.partitions_of(self.who().member.as_str())
     }
 
     pub(super) async fn gain_pin(&mut self, pin: String) {
