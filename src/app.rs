@@ -11,13 +11,13 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::auth::Verifier;
-use crate::config::{NatsTarget, Settings};
 use crate::delivery::webhook::{WebhookClient, WebhookStore};
 use crate::events::EventBus;
 use crate::groups::GroupAdmin;
 use crate::member::context::InstanceContext;
 use crate::nats::connect::{connect, jetstream};
 use crate::nats::embedded::EmbeddedServer;
+use crate::settings::{NatsTarget, Settings};
 use crate::streams::Streams;
 
 /// How long shutdown waits for running requests.

@@ -4,7 +4,6 @@
 pub mod app;
 pub mod auth;
 pub mod cli;
-pub mod config;
 pub mod consumers;
 pub mod delivery;
 pub mod error;
@@ -18,9 +17,10 @@ pub mod names;
 pub mod nats;
 pub mod partition;
 pub mod publish;
+pub mod settings;
 pub mod status;
 pub mod streams;
 pub mod supervisor;
 
 pub use app::{run, AppState};
-pub use config::Settings;
+pub use settings::Settings;

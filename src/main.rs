@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
-use keygate::config::{NatsTarget, Settings};
 use keygate::nats::connect::NatsAuth;
+use keygate::settings::{NatsTarget, Settings};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 

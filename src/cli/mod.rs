@@ -39,9 +39,20 @@ pub async fn run(args: &AdminArgs, command: AdminCommand) -> anyhow::Result<()> 
         .nats_url
         .clone()
         .unwrap_or_else(|| embedded(crate::nats::embedded::URL_FILE).unwrap_or_else(|| "nats://127.0.0.1:4222".into()));
+    // Run away from the serving directory, the commands find no embedded
+    // server's address and try the default one: say where they looked.
+    let hint = || match &args.nats_url {
+        Some(_) => String::new(),
+        None if embedded(crate::nats::embedded::URL_FILE).is_some() => " (is `keygate serve` running?)".to_owned(),
+        None => format!(
+            " (no `keygate serve` data in {}: run from its directory, or pass --data-dir or --nats-url)",
+            args.data_dir.join("nats").display()
+        ),
+    };
     let nats = tokio::time::timeout(Duration::from_secs(10), connect_once(&url, &auth))
         .await
-        .with_context(|| format!("timed out connecting to NATS at {url}"))??;
+        .with_context(|| format!("timed out connecting to NATS at {url}{}", hint()))?
+        .with_context(|| format!("connecting to NATS at {url}{}", hint()))?;
     let js = jetstream(nats.clone(), Duration::from_secs(5));
     let admin =
         Admin { groups: GroupAdmin::new(js.clone()), streams: Streams::new(js), nats: nats.clone(), json: args.json };

@@ -232,9 +232,7 @@ async fn serve_once(
                         }
                     }
                     Reply::PinRejected { description } => {
-                        // Every open pull carried the rejected id.
-                        pulls.clear();
-                        if pin.lose() {
+                        if pulls.pin_rejected(&pull_subject, pin.id()) && pin.lose() {
                             announce_unpinned(ctx, who, endpoint, &description, Vec::new());
                         }
                     }

@@ -12,6 +12,7 @@ use crate::error::Error;
 use crate::http::problem::{ApiError, Problem};
 use crate::names::StreamName;
 use crate::publish::{self, BatchRequest, PublishAck, PublishRequest};
+use crate::streams::StreamShape;
 
 /// One item of a batch answer: the ack or the problem.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
@@ -86,7 +87,7 @@ pub async fn publish_message(
 ) -> Result<Json<PublishAck>, ApiError> {
     let started = std::time::Instant::now();
     let key = idempotency_key(&headers)?;
-    let shape = state.streams.shape(&stream).await?;
+    let shape = publishable_shape(&state, &stream).await?;
     let prepared = publish::prepare(&shape, request, key.as_deref(), state.max_payload());
     let results = publish::publish_all(&state.js, &shape, vec![prepared]).await;
     record(&stream, &results, "single", started);
@@ -124,7 +125,7 @@ pub async fn publish_batch(
             batch.messages.len()
         )));
     }
-    let shape = state.streams.shape(&stream).await?;
+    let shape = publishable_shape(&state, &stream).await?;
     let max_payload = state.max_payload();
     if batch.atomic {
         let mut prepared = Vec::with_capacity(batch.messages.len());
@@ -158,4 +159,13 @@ pub async fn publish_batch(
         })
         .collect();
     Ok(Json(BatchResponse { results }))
+}
+
+/// The stream's shape, once its name is known not to be reserved (refused
+/// before the lookup, whether or not such a stream exists).
+async fn publishable_shape(state: &AppState, stream: &StreamName) -> Result<std::sync::Arc<StreamShape>, Error> {
+    if let Some(why) = publish::reserved_stream_name(stream.as_str()) {
+        return Err(Error::Reserved(why));
+    }
+    state.streams.shape(stream).await
 }

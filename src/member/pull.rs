@@ -144,6 +144,18 @@ impl OpenPulls {
     pub fn clear(&mut self) {
         self.open.clear();
     }
+
+    /// A 423 on `reply`: whether it rejected the pin this instance holds
+    /// (`current`), which is then gone with every open pull. A late one for
+    /// an older id only closes its own pull.
+    pub fn pin_rejected(&mut self, reply: &str, current: Option<&str>) -> bool {
+        let carried = self.finish(reply).flatten();
+        let ours = carried.is_some() && carried.as_deref() == current;
+        if ours {
+            self.clear();
+        }
+        ours
+    }
 }
 
 /// The subject pulls are sent to.
@@ -265,6 +277,20 @@ mod tests {
         pulls.expire(now + Duration::from_millis(1));
         assert!(pulls.is_empty());
         assert_eq!(pulls.reply_filter(), "_INBOX.x.*");
+    }
+
+    #[test]
+    fn only_a_rejection_of_the_current_pin_loses_it() {
+        let mut pulls = OpenPulls::new("_INBOX.x".into());
+        let now = Instant::now() + Duration::from_secs(5);
+        for (reply, pin) in [("old", "p1"), ("new", "p2"), ("other", "p2")] {
+            pulls.open.push_back(OpenPull { reply: reply.into(), remaining: 1, deadline: now, pin: Some(pin.into()) });
+        }
+        assert!(!pulls.pin_rejected("old", Some("p2")), "a late 423 for an older id");
+        assert_eq!(pulls.len(), 2, "only its own pull is closed");
+        assert!(!pulls.pin_rejected("gone", Some("p2")), "a pull no longer open");
+        assert!(pulls.pin_rejected("new", Some("p2")));
+        assert!(pulls.is_empty(), "every open pull carried the lost pin");
     }
 
     #[test]

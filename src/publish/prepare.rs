@@ -54,11 +54,8 @@ const RESERVED_SUBJECT_PREFIXES: [&str; 2] = ["$", "keygate."];
 /// token, admin included: keygate's state changes through its own API.
 pub fn reserved_stream(config: &jetstream::stream::Config) -> Option<String> {
     let name = config.name.as_str();
-    if let Some(prefix) = RESERVED_STREAM_PREFIXES.iter().find(|p| name.starts_with(**p)) {
-        return Some(format!(
-            "stream {name} holds keygate's or the server's own state ({prefix}*): it is changed through keygate's API, \
-             never published to"
-        ));
+    if let Some(why) = reserved_stream_name(name) {
+        return Some(why);
     }
     let fed_by_sources = config.sources.as_ref().is_some_and(|s| !s.is_empty());
     if config.retention == jetstream::stream::RetentionPolicy::WorkQueue && fed_by_sources {
@@ -68,6 +65,17 @@ pub fn reserved_stream(config: &jetstream::stream::Config) -> Option<String> {
     }
     config.subjects.iter().find_map(|s| {
         reserved_subject(s).then(|| format!("stream {name} captures the reserved subject space of {s:?}"))
+    })
+}
+
+/// Why a stream of this name is not open to publishers, whether or not it
+/// exists: the name alone says so, before the stream is looked up.
+pub fn reserved_stream_name(name: &str) -> Option<String> {
+    RESERVED_STREAM_PREFIXES.iter().find(|p| name.starts_with(**p)).map(|prefix| {
+        format!(
+            "stream {name} holds keygate's or the server's own state ({prefix}*): it is changed through keygate's API, \
+             never published to"
+        )
     })
 }
 

@@ -134,7 +134,7 @@ impl NatsEndpoint {
     pub fn settings(&self) -> Settings {
         let auth = keygate::nats::connect::NatsAuth { token: self.token.clone(), ..Default::default() };
         Settings {
-            nats: keygate::config::NatsTarget::External { url: self.url.clone(), auth },
+            nats: keygate::settings::NatsTarget::External { url: self.url.clone(), auth },
             ..Settings::for_nats_url(&self.url)
         }
     }

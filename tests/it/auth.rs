@@ -294,3 +294,42 @@ fn every_v1_operation_in_the_document_names_its_scope_and_its_401_and_403() {
     }
     assert!(checked > 20, "{checked}");
 }
+
+/// keygate's and the server's state are refused on the data path whatever
+/// the token: admin, `publish:*`, or a wildcard aimed at the reserved names.
+#[tokio::test]
+async fn no_token_reaches_reserved_streams_or_subjects_through_publish() {
+    let app = start_with_secret().await;
+    let admin = scoped("keygate:admin");
+    let stream = json!({"subjects":["orders.*"],"partitions":2});
+    assert_eq!(call(&app, "PUT", "/v1/streams/ORDERS", Some(&admin), Some(stream)).await.0, 201);
+    let elastic = json!({"kind":"elastic","partitions":2,"members":["m1"]});
+    assert_eq!(call(&app, "PUT", "/v1/streams/ORDERS/groups/e", Some(&admin), Some(elastic)).await.0, 201);
+    let hook = json!({"url":"http://127.0.0.1:9/hook"});
+    let webhook = "/v1/streams/ORDERS/groups/e/members/m1/webhook";
+    assert_eq!(call(&app, "PUT", webhook, Some(&admin), Some(hook)).await.0, 201);
+    // An object store's stream, as the server names it.
+    let files = async_nats::jetstream::stream::Config {
+        name: "OBJ_files".into(),
+        subjects: vec!["$O.files.>".into()],
+        ..Default::default()
+    };
+    app.js.create_stream(files).await.unwrap();
+    let targets = [
+        ("KV_keygate-webhooks", json!({"subject":"$KV.keygate-webhooks.ORDERS.e.m1","data":{"url":"http://evil"}})),
+        ("OBJ_files", json!({"subject":"$O.files.M.x","data":{}})),
+        ("KEYGATE_DEAD_LETTERS", json!({"subject":"keygate.dlq.ORDERS.e.m1","data":1})),
+        ("ORDERS-e", json!({"key":"k","data":1})),
+        ("ORDERS", json!({"subject":"$JS.API.STREAM.DELETE.ORDERS","data":1})),
+    ];
+    for token in [admin.clone(), scoped("publish:*"), scoped("publish:KV_*"), scoped("publish:ORDERS*")] {
+        for (stream, body) in &targets {
+            let (status, problem) =
+                call(&app, "POST", &format!("/v1/streams/{stream}/messages"), Some(&token), Some(body.clone())).await;
+            assert!(matches!(status, 400 | 403), "{stream} {body}: {status} {problem}");
+            assert_eq!(problem["status"].as_u64(), Some(status as u64), "a problem answer");
+        }
+    }
+    let (_, view) = call(&app, "GET", webhook, Some(&admin), None).await;
+    assert_eq!(view["url"], "http://127.0.0.1:9/hook", "the registration is untouched");
+}

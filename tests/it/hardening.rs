@@ -160,7 +160,15 @@ async fn a_client_that_sends_half_a_request_is_disconnected() {
 
 #[tokio::test]
 async fn websocket_subscribers_that_come_and_go_leave_nothing_behind() {
-    let app = TestApp::start().await;
+    // The server's monitoring port counts the subscriptions keygate holds.
+    let monitor = crate::support::free_port();
+    let server = NatsServer::start_with(&["-m", &monitor.to_string()]);
+    let app = TestApp::start_on(server.url()).await;
+    let subscriptions = || async move {
+        let subsz: Value =
+            http_client().get(format!("http://127.0.0.1:{monitor}/subsz")).send().await.unwrap().json().await.unwrap();
+        subsz["num_subscriptions"].as_u64().unwrap()
+    };
     app.create_stream("J", json!({"subjects":["j.*"]})).await;
     assert_eq!(app.put("/v1/streams/J/consumers/c", json!({"policy":"none"})).await.0, 201);
     let tasks = || async {
@@ -180,16 +188,19 @@ async fn websocket_subscribers_that_come_and_go_leave_nothing_behind() {
         cycle(i).await;
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let before = tasks().await;
+    let (before, subscribed_before) = (tasks().await, subscriptions().await);
     for i in 10..110 {
         cycle(i).await;
     }
-    let after = eventually(WAIT, || async {
-        let now = tasks().await;
-        (now <= before + 10.0).then_some(now)
+    let (after, subscribed_after) = eventually(WAIT, || async {
+        let (now, subscribed) = (tasks().await, subscriptions().await);
+        (now <= before + 10.0 && subscribed <= subscribed_before + 2).then_some((now, subscribed))
     })
     .await;
-    println!("alive tasks: {before} before 100 connect/close cycles, {after} after");
+    println!(
+        "alive tasks: {before} before 100 connect/close cycles, {after} after; server subscriptions \
+         {subscribed_before} before, {subscribed_after} after"
+    );
 }
 
 #[tokio::test]
@@ -290,6 +301,17 @@ async fn secrets_and_url_tokens_stay_out_of_debug_logs_and_errors() {
     })
     .await;
     assert!(event_text.contains("message.naked"), "events were read: {event_text}");
+    // After its second attempt the message is dead-lettered with the reason.
+    let js = async_nats::jetstream::new(async_nats::connect(server.url()).await.unwrap());
+    let dead_letter = eventually(Duration::from_secs(30), || async {
+        let mut stream = js.get_stream("KEYGATE_DEAD_LETTERS").await.ok()?;
+        (stream.info().await.ok()?.state.messages > 0).then_some(())?;
+        stream.get_raw_message(1).await.ok()
+    })
+    .await;
+    let dead_letter_headers: String =
+        dead_letter.headers.iter().map(|(n, v)| format!("{n}: {v:?}\n")).collect::<String>();
+    assert!(dead_letter_headers.contains("keygate-reason"), "{dead_letter_headers}");
     drop(keygate);
     let logged = std::fs::read_to_string(&log_path).unwrap();
     assert!(logged.contains("registration update"), "the log is at debug level");
@@ -298,6 +320,7 @@ async fn secrets_and_url_tokens_stay_out_of_debug_logs_and_errors() {
         assert!(!logged.contains(leaked), "{leaked} in the debug log");
         assert!(!view_text.contains(leaked), "{leaked} in the group view: {view_text}");
         assert!(!event_text.contains(leaked), "{leaked} in an event");
+        assert!(!dead_letter_headers.contains(leaked), "{leaked} in the dead letter: {dead_letter_headers}");
     }
 }
 
@@ -332,4 +355,59 @@ async fn a_request_that_outlives_its_limit_answers_503_but_streams_do_not() {
     assert_eq!(events.status(), 200);
     let read = tokio::time::timeout(Duration::from_millis(300), events.chunk()).await;
     assert!(!matches!(read, Ok(Ok(None)) | Ok(Err(_))), "the event stream ended within the limit: {read:?}");
+}
+
+/// A publisher's credentials headers never reach the webhook (the signature
+/// does not cover headers, so an endpoint trusting them would act for
+/// whoever published); its other headers do.
+#[tokio::test]
+async fn credentials_headers_of_a_message_are_not_forwarded_to_the_webhook() {
+    let app = TestApp::start().await;
+    stream_and_group(&app, "g", json!(["m1"])).await;
+    let receiver = Receiver::start(|_, _| Answer::ok()).await;
+    assert_eq!(app.put("/v1/streams/S/groups/g/members/m1/webhook", json!({"url": receiver.url("/m1")})).await.0, 201);
+    let headers = json!({"Authorization":"Bearer stolen","Cookie":"session=stolen","Proxy-Authorization":"Basic x",
+        "X-Trace":"t-1"});
+    let (status, answer) = app.post("/v1/streams/S/messages", json!({"key":"k","data":1,"headers":headers})).await;
+    assert_eq!(status, 200, "{answer}");
+    let delivered = eventually(WAIT, || async { receiver.requests().into_iter().find(|r| r.ok()) }).await;
+    assert_eq!(delivered.header("x-trace"), Some("t-1"), "other headers are forwarded");
+    for name in ["authorization", "cookie", "proxy-authorization"] {
+        assert_eq!(delivered.header(name), None, "{name} was forwarded");
+    }
+    app.assert_no_acks_without_verdict().await;
+}
+
+/// At most `max_connections` are served at once; a further client waits in
+/// the accept queue until one closes, and is then served.
+#[tokio::test]
+async fn connections_beyond_the_cap_wait_until_one_closes() {
+    let app = TestApp::start_with(|s| s.max_connections = 2).await;
+    let address = app.base.trim_start_matches("http://").to_owned();
+    let request = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+    let answered = |mut tcp: tokio::net::TcpStream, limit: Duration| async move {
+        tcp.write_all(request).await.unwrap();
+        let mut buffer = [0u8; 256];
+        let read = tokio::time::timeout(limit, tcp.read(&mut buffer)).await;
+        let ok = matches!(read, Ok(Ok(n)) if n > 0 && buffer.starts_with(b"HTTP/1.1 200"));
+        (ok, tcp)
+    };
+    // Keep-alive connections count, the test client's pooled one too: open
+    // raw ones until one is not served.
+    let mut held = Vec::new();
+    let waiting = loop {
+        let tcp = tokio::net::TcpStream::connect(&address).await.unwrap();
+        let (ok, tcp) = answered(tcp, Duration::from_millis(500)).await;
+        if !ok {
+            break tcp;
+        }
+        held.push(tcp);
+        assert!(held.len() <= 2, "more connections served than the cap");
+    };
+    assert!(!held.is_empty(), "connections within the cap are served");
+    drop(held.pop());
+    let mut waiting = waiting;
+    let mut buffer = [0u8; 256];
+    let read = tokio::time::timeout(WAIT, waiting.read(&mut buffer)).await;
+    assert!(matches!(read, Ok(Ok(n)) if n > 0 && buffer.starts_with(b"HTTP/1.1 200")), "served once one closed");
 }

@@ -57,9 +57,7 @@ impl Session {
             Reply::PinRejected { description } => {
                 // Only a rejection of a pull that carried the current pin means
                 // the pin is gone; a late one for an older id does not.
-                let carried = self.pulls.finish(&subject).flatten();
-                if carried.is_some() && carried.as_deref() == self.pin.id() {
-                    self.pulls.clear();
+                if self.pulls.pin_rejected(&subject, self.pin.id()) {
                     self.lose_pin(&description);
                 }
             }
