@@ -36,6 +36,10 @@ pub enum EventType {
     PartitionBlocked,
     #[serde(rename = "partition.unblocked")]
     PartitionUnblocked,
+    #[serde(rename = "key.blocked")]
+    KeyBlocked,
+    #[serde(rename = "key.unblocked")]
+    KeyUnblocked,
 }
 
 impl EventType {
@@ -52,6 +56,8 @@ impl EventType {
             Self::MessageDeadLettered => "message.dead_lettered",
             Self::PartitionBlocked => "partition.blocked",
             Self::PartitionUnblocked => "partition.unblocked",
+            Self::KeyBlocked => "key.blocked",
+            Self::KeyUnblocked => "key.unblocked",
         }
     }
 }
@@ -66,6 +72,9 @@ pub struct Event {
     pub member: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub partition: Option<u32>,
+    /// The key concerned (key events; `null` for a keyless message).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
     /// Stream sequence of the message concerned.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seq: Option<u64>,
@@ -118,6 +127,7 @@ impl Event {
             group: about.who.group.to_string(),
             member: about.who.member.to_string(),
             partition: None,
+            key: None,
             seq: None,
             instance: about.instance.to_owned(),
             attempt: None,
@@ -202,6 +212,32 @@ impl Event {
             seq: Some(seq),
             reason: reason.map(str::to_owned),
             ..Self::about(about, EventType::PartitionUnblocked)
+        }
+    }
+
+    /// Under key ordering, a key's head failed; the key's later messages
+    /// wait, the partition's other keys go on.
+    pub fn key_blocked(
+        about: About<'_>,
+        partition: u32,
+        key: Option<&str>,
+        seq: u64,
+        attempt: u64,
+        reason: &str,
+    ) -> Self {
+        Self {
+            key: key.map(str::to_owned),
+            event_type: EventType::KeyBlocked,
+            ..Self::partition_blocked(about, partition, seq, attempt, reason)
+        }
+    }
+
+    /// The key's head passed (acked, skipped, or gone from the stream: `reason`).
+    pub fn key_unblocked(about: About<'_>, partition: u32, key: Option<&str>, seq: u64, reason: Option<&str>) -> Self {
+        Self {
+            key: key.map(str::to_owned),
+            event_type: EventType::KeyUnblocked,
+            ..Self::partition_unblocked(about, partition, seq, reason)
         }
     }
 

@@ -31,6 +31,8 @@ pub const PIN_CHANGES: &str = "keygate_pin_changes_total";
 pub const MEMBER_INSTANCES: &str = "keygate_member_instances";
 /// Partitions whose head message is being retried, per member instance.
 pub const BLOCKED_PARTITIONS: &str = "keygate_blocked_partitions";
+/// Keys whose head is retrying under key ordering (gauge; never labelled by key).
+pub const BLOCKED_KEYS: &str = "keygate_blocked_keys";
 /// Messages not yet delivered per partition of a group (sampled).
 pub const PARTITION_PENDING: &str = "keygate_partition_pending_messages";
 /// Messages a consumer subscriber holds delayed by shuffling right now.

@@ -86,7 +86,7 @@ fn needs_escape(ch: char) -> bool {
 /// Tokens that were not produced by [`encode_key`] (a Go producer's raw
 /// subject with a stray `%`) come back unchanged where they do not decode.
 pub fn decode_key(token: &str) -> Option<String> {
-    if token.starts_with(KEYLESS_PREFIX) {
+    if is_keyless_token(token) {
         return None;
     }
     if !token.contains('%') {
@@ -116,6 +116,11 @@ fn hex_value(byte: u8) -> Option<u8> {
         b'a'..=b'f' => Some(byte - b'a' + 10),
         _ => None,
     }
+}
+
+/// Whether a subject token is keygate's keyless marker.
+pub fn is_keyless_token(token: &str) -> bool {
+    token.starts_with(KEYLESS_PREFIX)
 }
 
 /// The token keygate puts in the key slot of the `n`th keyless message.

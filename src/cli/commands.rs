@@ -8,7 +8,7 @@ use super::render::{out, print_json, ranges, table, timestamp, yes_no};
 use super::{names, Admin};
 use crate::groups::admin::PutOutcome;
 use crate::groups::view::{GroupView, MembershipView};
-use crate::groups::{GroupKind, GroupSpec};
+use crate::groups::{GroupKind, GroupSettings, GroupSpec};
 use crate::names::{MemberName, StreamName};
 
 impl Admin {
@@ -123,7 +123,7 @@ impl Admin {
         let (stream, group) = names(stream, group)?;
         let kind = spec.kind;
         let config = spec.into_config()?;
-        let outcome = self.groups.put(&stream, &group, config, true, None).await?;
+        let outcome = self.groups.put(&stream, &group, config, true, GroupSettings::default()).await?;
         let view =
             crate::status::observe::observe(&self.groups, &self.nats, &stream, &group, Some(kind), false).await?;
         if self.json {

@@ -23,6 +23,14 @@ impl Endpoint {
         }
     }
 
+    /// Most deliveries in flight at once, when the registration sets it.
+    pub fn max_in_flight(&self) -> Option<usize> {
+        match self {
+            Self::Webhook { registration, .. } => registration.max_in_flight,
+            Self::Socket(socket) => socket.max_in_flight,
+        }
+    }
+
     /// Retry backoff when the endpoint names no delay.
     pub fn backoff(&self) -> Backoff {
         match self {

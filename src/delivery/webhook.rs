@@ -57,6 +57,12 @@ pub struct WebhookSpec {
     /// Retry backoff (default 500 ms doubling to 60 s).
     #[serde(default)]
     pub backoff: Option<Backoff>,
+    /// Group members only: most deliveries in flight at once across the
+    /// member's partitions (default: one per partition under partition
+    /// ordering, 256 under key ordering).
+    #[serde(default)]
+    #[schema(minimum = 1, maximum = 1000)]
+    pub max_in_flight: Option<usize>,
 }
 
 /// A stored registration.
@@ -67,6 +73,9 @@ pub struct Registration {
     pub timeout_ms: u64,
     pub max_attempts: u64,
     pub backoff: Backoff,
+    /// Group members only: most deliveries in flight at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_in_flight: Option<usize>,
     /// Consumer subscribers only: how they pull and how many deliveries run at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub subscriber: Option<SubscriberOptions>,
@@ -82,6 +91,7 @@ impl std::fmt::Debug for WebhookSpec {
             .field("timeout_ms", &self.timeout_ms)
             .field("max_attempts", &self.max_attempts)
             .field("backoff", &self.backoff)
+            .field("max_in_flight", &self.max_in_flight)
             .finish()
     }
 }
@@ -94,6 +104,7 @@ impl std::fmt::Debug for Registration {
             .field("timeout_ms", &self.timeout_ms)
             .field("max_attempts", &self.max_attempts)
             .field("backoff", &self.backoff)
+            .field("max_in_flight", &self.max_in_flight)
             .field("subscriber", &self.subscriber)
             .finish()
     }
@@ -128,9 +139,28 @@ pub struct WebhookView {
     pub timeout_ms: u64,
     pub max_attempts: u64,
     pub backoff: Backoff,
+    /// Most deliveries in flight at once, when set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_in_flight: Option<usize>,
     /// The signing secret: only in the answer that generated it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub secret: Option<String>,
+}
+
+/// Most deliveries a member may have in flight: the consumer's default
+/// `max_ack_pending` (1000), past which the server sends no more anyway.
+pub const MAX_IN_FLIGHT: usize = 1000;
+/// Deliveries in flight under key ordering when the member sets none.
+pub const DEFAULT_KEY_IN_FLIGHT: usize = 256;
+
+/// Refuses a `max_in_flight` outside 1 to [`MAX_IN_FLIGHT`].
+pub fn check_max_in_flight(max_in_flight: Option<usize>) -> Result<(), Error> {
+    match max_in_flight {
+        Some(n) if !(1..=MAX_IN_FLIGHT).contains(&n) => {
+            Err(Error::Invalid(format!("max_in_flight must be between 1 and {MAX_IN_FLIGHT}")))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// The registration key of a member.
@@ -201,6 +231,10 @@ impl WebhookStore {
         if backoff.initial_ms == 0 || backoff.max_ms < backoff.initial_ms {
             return Err(Error::Invalid("backoff needs 0 < initial_ms <= max_ms".into()));
         }
+        check_max_in_flight(spec.max_in_flight)?;
+        if spec.max_in_flight.is_some() && subscriber.is_some() {
+            return Err(Error::Invalid("max_in_flight is for group members; a subscriber takes concurrency".into()));
+        }
         if let Some(secret) = &spec.secret {
             SigningKey::parse(secret).map_err(|e| Error::Invalid(e.to_string()))?;
         }
@@ -216,7 +250,9 @@ impl WebhookStore {
                 new
             }
         };
-        let registration = Registration { url: url.to_string(), secret, timeout_ms, max_attempts, backoff, subscriber };
+        let max_in_flight = spec.max_in_flight;
+        let registration =
+            Registration { url: url.to_string(), secret, timeout_ms, max_attempts, backoff, max_in_flight, subscriber };
         let bytes = Bytes::from(serde_json::to_vec(&registration).unwrap_or_default());
         store.put(key, bytes).await.map_err(|e| unavailable_or_internal("storing webhook", e))?;
         Ok((existing.is_none(), registration, generated))
@@ -406,6 +442,7 @@ mod tests {
             timeout_ms: 1,
             max_attempts: 1,
             backoff: Backoff { initial_ms: 1, max_ms: 1 },
+            max_in_flight: None,
             subscriber: None,
         };
         let shown = format!("{registration:?}");

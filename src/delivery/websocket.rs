@@ -34,6 +34,8 @@ pub struct SocketEndpoint {
     closed: CancellationToken,
     pub max_attempts: u64,
     pub backoff: Backoff,
+    /// Most messages in flight to the connection at once, when the client set it.
+    pub max_in_flight: Option<usize>,
 }
 
 impl SocketEndpoint {
@@ -44,7 +46,7 @@ impl SocketEndpoint {
         max_attempts: u64,
         backoff: Backoff,
     ) -> Self {
-        Self { messages, status, awaiting: Mutex::default(), closed, max_attempts, backoff }
+        Self { messages, status, awaiting: Mutex::default(), closed, max_attempts, backoff, max_in_flight: None }
     }
 
     fn awaiting(&self) -> std::sync::MutexGuard<'_, HashMap<String, Awaiting>> {

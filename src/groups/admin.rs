@@ -42,7 +42,7 @@ impl GroupAdmin {
         group: &GroupName,
         config: GroupConfig,
         membership_given: bool,
-        ack_wait_ms: Option<u64>,
+        requested: GroupSettings,
     ) -> Result<PutOutcome, Error> {
         let info = self.stream_info(stream.as_str()).await?;
         let kind = config.kind();
@@ -93,9 +93,9 @@ impl GroupAdmin {
                 return Err(e);
             }
         };
-        let settings = GroupSettings { ack_wait_ms };
         let current = self.settings(stream, group).await?;
-        if outcome == PutOutcome::Created || (ack_wait_ms.is_some() && current != settings) {
+        let settings = GroupSettings::after_put(&current, &requested, outcome == PutOutcome::Created);
+        if outcome == PutOutcome::Created || current != settings {
             let settings_store = self.bucket_or_create(SETTINGS_BUCKET, info.config.num_replicas).await?;
             settings_store
                 .put(&key, Bytes::from(serde_json::to_vec(&settings).unwrap_or_default()))

@@ -114,11 +114,13 @@ impl GroupAdmin {
             max_buffered_bytes: None,
             work_queue_stream: None,
             ack_wait_ms: settings.ack_wait_ms.unwrap_or(DEFAULT_ACK_WAIT_MS),
+            ordering: settings.ordering(),
             revision: stored.revision,
             config: raw,
             assignment,
             partition_pending,
             blocked: Vec::new(),
+            blocked_total: 0,
         };
         match config {
             GroupConfig::Static(c) => view.filters = Some(c.filters.clone()),

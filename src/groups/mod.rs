@@ -9,5 +9,5 @@ pub mod spec;
 pub mod store;
 pub mod view;
 
-pub use spec::{GroupConfig, GroupKind, GroupSpec};
-pub use store::GroupAdmin;
+pub use spec::{GroupConfig, GroupKind, GroupSpec, Ordering};
+pub use store::{GroupAdmin, GroupSettings};

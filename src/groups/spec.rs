@@ -35,6 +35,26 @@ impl GroupKind {
     }
 }
 
+/// What a group keeps in order (docs/guarantees.md, "Per-key order").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Ordering {
+    /// One message in flight per partition: every key of a partition waits
+    /// for the partition's head (pcgroups' behaviour).
+    Partition,
+    /// One message in flight per key: keys of a partition overtake each
+    /// other, each key stays in order.
+    Key,
+}
+
+impl Ordering {
+    /// What a group created by keygate keeps when `ordering` is not given.
+    pub const FOR_NEW_GROUPS: Ordering = Ordering::Key;
+    /// What a group without a stored ordering keeps: groups made before the
+    /// option existed, and groups made by Go pcgroups.
+    pub const UNSTATED: Ordering = Ordering::Partition;
+}
+
 /// One member and the partitions it owns, in the order given.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct Mapping {
@@ -92,6 +112,10 @@ pub struct GroupSpec {
     #[serde(default)]
     #[schema(minimum = 1)]
     pub ack_wait_ms: Option<u64>,
+    /// `key` (one message in flight per key) or `partition` (one per
+    /// partition). New groups: `key`; groups stored without one: `partition`.
+    #[serde(default)]
+    pub ordering: Option<Ordering>,
 }
 
 impl GroupSpec {
@@ -107,6 +131,7 @@ impl GroupSpec {
             max_buffered_msgs: None,
             max_buffered_bytes: None,
             ack_wait_ms: None,
+            ordering: None,
         }
     }
 }

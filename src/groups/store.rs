@@ -8,7 +8,7 @@ use futures::TryStreamExt;
 use serde::{Deserialize, Serialize};
 
 use super::config::{config_key, go_json, validate_membership, ELASTIC_BUCKET, STATIC_BUCKET};
-use super::spec::{GroupConfig, GroupKind};
+use super::spec::{GroupConfig, GroupKind, Ordering};
 use super::view::GroupSummary;
 use crate::error::Error;
 use crate::names::{GroupName, StreamName};
@@ -26,6 +26,30 @@ pub(super) const CAS_ATTEMPTS: usize = 32;
 pub struct GroupSettings {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ack_wait_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ordering: Option<Ordering>,
+}
+
+impl GroupSettings {
+    /// The ordering the group keeps.
+    pub fn ordering(&self) -> Ordering {
+        self.ordering.unwrap_or(Ordering::UNSTATED)
+    }
+
+    /// What to store after a `PUT` asking for `requested`: given fields
+    /// replace `current` ones, the others stay; a group just created starts
+    /// from nothing, with key ordering unless another is asked for.
+    pub fn after_put(current: &GroupSettings, requested: &GroupSettings, created: bool) -> GroupSettings {
+        let base = if created {
+            GroupSettings { ack_wait_ms: None, ordering: Some(Ordering::FOR_NEW_GROUPS) }
+        } else {
+            current.clone()
+        };
+        GroupSettings {
+            ack_wait_ms: requested.ack_wait_ms.or(base.ack_wait_ms),
+            ordering: requested.ordering.or(base.ordering),
+        }
+    }
 }
 
 /// A group as read from its bucket.

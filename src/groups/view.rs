@@ -4,7 +4,7 @@ use serde::Serialize;
 use time::OffsetDateTime;
 use utoipa::ToSchema;
 
-use super::spec::{GroupKind, PartitioningFilterSpec};
+use super::spec::{GroupKind, Ordering, PartitioningFilterSpec};
 
 /// A group: its configuration, who owns which partition, and live state.
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -35,6 +35,8 @@ pub struct GroupView {
     pub work_queue_stream: Option<String>,
     /// Ack wait of member consumers, in milliseconds (also the pin's TTL).
     pub ack_wait_ms: u64,
+    /// What the group keeps in order: each key, or each whole partition.
+    pub ordering: Ordering,
     /// Revision of the configuration in its KV bucket (for compare-and-set).
     pub revision: u64,
     /// The configuration exactly as stored in the pcgroups KV bucket.
@@ -44,15 +46,20 @@ pub struct GroupView {
     pub assignment: Vec<MemberState>,
     /// Messages not yet acknowledged, per partition.
     pub partition_pending: Vec<PartitionPending>,
-    /// Partitions whose head message is retrying, as the keygate instances
-    /// holding the pins report them.
+    /// Lanes whose head message is retrying (whole partitions, or keys under
+    /// key ordering), as the keygate instances holding the pins report
+    /// them: at most 100 per member, oldest first.
     pub blocked: Vec<BlockedView>,
+    /// How many lanes are blocked in all (`blocked` may list fewer).
+    pub blocked_total: usize,
 }
 
-/// A partition whose head message is retrying.
+/// A partition, or one key of it, whose head message is retrying.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct BlockedView {
     pub partition: u32,
+    /// The blocked key (key ordering); `null` for a whole partition or a keyless message.
+    pub key: Option<String>,
     pub member: String,
     /// Stream sequence of the head message.
     pub seq: u64,

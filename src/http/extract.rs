@@ -27,3 +27,28 @@ pub struct Path<T>(pub T);
 #[derive(Debug, FromRequestParts)]
 #[from_request(via(axum::extract::Query), rejection(ApiError))]
 pub struct Query<T>(pub T);
+
+/// A JSON body that may be left out: a request with no body at all, or a
+/// JSON `null`, is `None`; any other body must be valid JSON of `T`.
+#[derive(Debug)]
+pub struct OptionalJson<T>(pub Option<T>);
+
+impl<S, T> FromRequest<S> for OptionalJson<T>
+where
+    S: Send + Sync,
+    T: serde::de::DeserializeOwned,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(request: axum::extract::Request, state: &S) -> Result<Self, ApiError> {
+        use axum::http::header::{CONTENT_LENGTH, CONTENT_TYPE};
+        let headers = request.headers();
+        let empty = !headers.contains_key(CONTENT_TYPE)
+            && headers.get(CONTENT_LENGTH).is_none_or(|length| length.as_bytes() == b"0");
+        if empty {
+            return Ok(Self(None));
+        }
+        let Json(value) = Json::<Option<T>>::from_request(request, state).await?;
+        Ok(Self(value))
+    }
+}

@@ -5,13 +5,13 @@ use axum::http::StatusCode;
 use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
-use super::extract::{Json, Path, Query};
+use super::extract::{Json, OptionalJson, Path, Query};
 use crate::app::AppState;
 use crate::groups::admin::PutOutcome;
 use crate::groups::config::MemberMapping;
 use crate::groups::spec::Mapping;
 use crate::groups::view::{GroupSummary, GroupView, MembershipView};
-use crate::groups::{GroupKind, GroupSpec};
+use crate::groups::{GroupKind, GroupSettings, GroupSpec};
 use crate::http::problem::{ApiError, Problem};
 use crate::member::control::{ask, BlockedPartition, Control};
 use crate::member_ref::MemberRef;
@@ -67,10 +67,10 @@ pub async fn put_group(
     Json(spec): Json<GroupSpec>,
 ) -> Result<(StatusCode, Json<GroupView>), ApiError> {
     let membership_given = spec.members.is_some() || spec.mappings.is_some();
-    let ack_wait_ms = spec.ack_wait_ms;
+    let settings = GroupSettings { ack_wait_ms: spec.ack_wait_ms, ordering: spec.ordering };
     let kind = spec.kind;
     let config = spec.into_config()?;
-    let outcome = state.groups.put(&stream, &group, config, membership_given, ack_wait_ms).await?;
+    let outcome = state.groups.put(&stream, &group, config, membership_given, settings).await?;
     let view = state.groups.view(&stream, &group, Some(kind)).await?;
     let status = if outcome == PutOutcome::Created { StatusCode::CREATED } else { StatusCode::OK };
     Ok((status, Json(view)))
@@ -105,7 +105,7 @@ pub struct PartitionOperation {
     pub member: String,
     /// The keygate instance that acted.
     pub instance: String,
-    /// Partitions of the member still blocked afterwards.
+    /// Lanes of the member still blocked afterwards (at most 100).
     pub blocked: Vec<BlockedPartition>,
 }
 
@@ -144,43 +144,103 @@ async fn partition_operation(
     }))
 }
 
+/// Names a key of the partition (key ordering): optional when the
+/// partition has one blocked key, or is ordered as a whole.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct LaneTarget {
+    /// The blocked key, as published.
+    pub key: Option<String>,
+}
+
 /// Terminates a blocked partition's head message (it is copied to the
-/// dead-letter stream) so the partition proceeds.
+/// dead-letter stream) so the partition proceeds. Under key ordering it
+/// skips the head of the key named in the body, or of the partition's only
+/// blocked key.
 #[utoipa::path(
     post,
     path = "/v1/streams/{stream}/groups/{group}/partitions/{partition}/skip",
     tag = "groups",
     params(("stream" = String, Path), ("group" = String, Path), ("partition" = u32, Path)),
+    request_body(content = Option<LaneTarget>, description = "the key to skip (key ordering)"),
     responses(
         (status = 200, description = "the head was dead-lettered", body = PartitionOperation),
         (status = 404, description = "unknown group or partition", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "the partition is not blocked, or no keygate instance serves it", body = Problem, content_type = "application/problem+json")
+        (status = 409, description = "the partition or key is not blocked, several keys are and none was named, or no keygate instance serves it", body = Problem, content_type = "application/problem+json")
     )
 )]
 pub async fn skip_partition(
     State(state): State<AppState>,
     Path((stream, group, partition)): Path<(StreamName, GroupName, u32)>,
+    OptionalJson(target): OptionalJson<LaneTarget>,
 ) -> Result<Json<PartitionOperation>, ApiError> {
-    partition_operation(&state, stream, group, partition, Control::Skip { partition }).await
+    let key = target.and_then(|t| t.key);
+    partition_operation(&state, stream, group, partition, Control::Skip { partition, key }).await
 }
 
-/// Redelivers a blocked partition's head now instead of after its delay.
+/// Redelivers a blocked partition's head now instead of after its delay
+/// (under key ordering: the named key's, or the only blocked key's).
 #[utoipa::path(
     post,
     path = "/v1/streams/{stream}/groups/{group}/partitions/{partition}/retry-now",
     tag = "groups",
     params(("stream" = String, Path), ("group" = String, Path), ("partition" = u32, Path)),
+    request_body(content = Option<LaneTarget>, description = "the key to retry (key ordering)"),
     responses(
         (status = 200, description = "redelivery asked for", body = PartitionOperation),
         (status = 404, description = "unknown group or partition", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "the partition is not blocked, or no keygate instance serves it", body = Problem, content_type = "application/problem+json")
+        (status = 409, description = "the partition or key is not blocked, several keys are and none was named, or no keygate instance serves it", body = Problem, content_type = "application/problem+json")
     )
 )]
 pub async fn retry_partition_now(
     State(state): State<AppState>,
     Path((stream, group, partition)): Path<(StreamName, GroupName, u32)>,
+    OptionalJson(target): OptionalJson<LaneTarget>,
 ) -> Result<Json<PartitionOperation>, ApiError> {
-    partition_operation(&state, stream, group, partition, Control::RetryNow { partition }).await
+    let key = target.and_then(|t| t.key);
+    partition_operation(&state, stream, group, partition, Control::RetryNow { partition, key }).await
+}
+
+/// Terminates a blocked key's head message (key ordering; it is copied to
+/// the dead-letter stream) so the key proceeds. The key is percent-encoded
+/// in the path.
+#[utoipa::path(
+    post,
+    path = "/v1/streams/{stream}/groups/{group}/partitions/{partition}/keys/{key}/skip",
+    tag = "groups",
+    params(("stream" = String, Path), ("group" = String, Path), ("partition" = u32, Path),
+        ("key" = String, Path, description = "the blocked key, percent-encoded")),
+    responses(
+        (status = 200, description = "the head was dead-lettered", body = PartitionOperation),
+        (status = 404, description = "unknown group or partition", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "the key is not blocked, or no keygate instance serves it", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn skip_key(
+    State(state): State<AppState>,
+    Path((stream, group, partition, key)): Path<(StreamName, GroupName, u32, String)>,
+) -> Result<Json<PartitionOperation>, ApiError> {
+    partition_operation(&state, stream, group, partition, Control::Skip { partition, key: Some(key) }).await
+}
+
+/// Redelivers a blocked key's head now instead of after its delay.
+#[utoipa::path(
+    post,
+    path = "/v1/streams/{stream}/groups/{group}/partitions/{partition}/keys/{key}/retry-now",
+    tag = "groups",
+    params(("stream" = String, Path), ("group" = String, Path), ("partition" = u32, Path),
+        ("key" = String, Path, description = "the blocked key, percent-encoded")),
+    responses(
+        (status = 200, description = "redelivery asked for", body = PartitionOperation),
+        (status = 404, description = "unknown group or partition", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "the key is not blocked, or no keygate instance serves it", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn retry_key_now(
+    State(state): State<AppState>,
+    Path((stream, group, partition, key)): Path<(StreamName, GroupName, u32, String)>,
+) -> Result<Json<PartitionOperation>, ApiError> {
+    partition_operation(&state, stream, group, partition, Control::RetryNow { partition, key: Some(key) }).await
 }
 
 /// Deletes a group: its configuration and its consumers (static) or

@@ -65,6 +65,8 @@ pub fn api() -> (Router<AppState>, utoipa::openapi::OpenApi) {
         .routes(routes!(groups::put_mappings, groups::delete_mappings))
         .routes(routes!(groups::step_down))
         .routes(routes!(groups::skip_partition))
+        .routes(routes!(groups::skip_key))
+        .routes(routes!(groups::retry_key_now))
         .routes(routes!(groups::retry_partition_now))
         .routes(routes!(consumers::put_consumer, consumers::get_consumer, consumers::delete_consumer))
         .routes(routes!(consumers::unpin_consumer))

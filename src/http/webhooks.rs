@@ -23,6 +23,7 @@ fn view(
         url: r.url,
         timeout_ms: r.timeout_ms,
         max_attempts: r.max_attempts,
+        max_in_flight: r.max_in_flight,
         backoff: r.backoff,
         secret,
     }

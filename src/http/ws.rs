@@ -41,6 +41,11 @@ const STATUS_QUEUE: usize = 32;
 pub struct JoinOptions {
     /// Deliveries of one message before it is dead-lettered (1–1000, default 10).
     pub max_attempts: Option<u64>,
+    /// Most messages in flight to this connection at once across the
+    /// member's partitions (1–1000; default one per partition under
+    /// partition ordering, 256 under key ordering).
+    #[param(minimum = 1, maximum = 1000)]
+    pub max_in_flight: Option<usize>,
     /// The bearer token, for browsers (which cannot set headers on a WebSocket).
     pub access_token: Option<String>,
 }
@@ -71,7 +76,9 @@ pub async fn join_member(
     headers: HeaderMap,
     upgrade: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> Result<Response, ApiError> {
-    let (upgrade, max_attempts) = accept(upgrade, &headers, &state, options.max_attempts)?;
+    let (upgrade, mut limits) = accept(upgrade, &headers, &state, options.max_attempts)?;
+    crate::delivery::webhook::check_max_in_flight(options.max_in_flight)?;
+    limits.max_in_flight = options.max_in_flight;
     let stored = state.groups.load(&stream, &group, None).await?;
     let in_membership = stored.config.members().iter().any(|m| m == member.as_str())
         || stored.config.mappings().iter().any(|m| m.member == member.as_str());
@@ -87,7 +94,7 @@ pub async fn join_member(
         crate::events::subject_filter(Some(who.stream.as_str()), Some(who.group.as_str()), Some(who.member.as_str()));
     Ok(upgrade.on_upgrade(move |socket| {
         let run: Runner = Box::new(move |endpoint, cancel| Box::pin(serve_member(instances, who, endpoint, cancel)));
-        connections.track_future(serve_connection(state, events_of, socket, max_attempts, run, slot))
+        connections.track_future(serve_connection(state, events_of, socket, limits, run, slot))
     }))
 }
 
@@ -178,7 +185,7 @@ pub async fn join_consumer(
     headers: HeaderMap,
     upgrade: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> Result<Response, ApiError> {
-    let (upgrade, max_attempts) = accept(upgrade, &headers, &state, options.max_attempts)?;
+    let (upgrade, limits) = accept(upgrade, &headers, &state, options.max_attempts)?;
     let current = state.consumers.subscribable(&stream, &consumer).await?;
     let pull = super::consumers::pull_options(
         current.policy,
@@ -197,7 +204,7 @@ pub async fn join_consumer(
     Ok(upgrade.on_upgrade(move |socket| {
         let run: Runner =
             Box::new(move |endpoint, cancel| Box::pin(serve_consumer(instances, target, endpoint, pull, cancel)));
-        connections.track_future(serve_connection(state, events_of, socket, max_attempts, run, slot))
+        connections.track_future(serve_connection(state, events_of, socket, limits, run, slot))
     }))
 }
 
@@ -213,6 +220,13 @@ fn small_frames(upgrade: WebSocketUpgrade) -> WebSocketUpgrade {
         .max_frame_size(64 * 1024)
 }
 
+/// How a connection's deliveries are bounded.
+#[derive(Debug, Clone, Copy)]
+struct SocketLimits {
+    max_attempts: u64,
+    max_in_flight: Option<usize>,
+}
+
 /// What both joins check before upgrading: a real upgrade, an allowed
 /// origin, a sane `max_attempts`.
 fn accept(
@@ -220,7 +234,7 @@ fn accept(
     headers: &HeaderMap,
     state: &AppState,
     max_attempts: Option<u64>,
-) -> Result<(WebSocketUpgrade, u64), ApiError> {
+) -> Result<(WebSocketUpgrade, SocketLimits), ApiError> {
     let upgrade =
         upgrade.map_err(|e| ApiError::BadRequest(format!("this route opens a WebSocket: {}", e.body_text())))?;
     check_origin(headers, &state.settings.ws_allowed_origins)?;
@@ -228,7 +242,7 @@ fn accept(
     if !(1..=1000).contains(&max_attempts) {
         return Err(ApiError::BadRequest("max_attempts must be between 1 and 1000".into()));
     }
-    Ok((small_frames(upgrade), max_attempts))
+    Ok((small_frames(upgrade), SocketLimits { max_attempts, max_in_flight: None }))
 }
 
 /// Browsers send `Origin`; other clients do not. Keygate's own origin (the
@@ -251,7 +265,7 @@ async fn serve_connection(
     state: AppState,
     events_of: String,
     socket: WebSocket,
-    max_attempts: u64,
+    limits: SocketLimits,
     run: Runner,
     _slot: SocketSlot,
 ) {
@@ -261,8 +275,10 @@ async fn serve_connection(
     let (messages_tx, mut messages) = mpsc::channel(MESSAGE_QUEUE);
     let (status_tx, mut status) = mpsc::channel(STATUS_QUEUE);
     let closed = CancellationToken::new();
-    let endpoint =
-        Arc::new(SocketEndpoint::new(messages_tx, status_tx, closed.clone(), max_attempts, Backoff::default()));
+    let mut endpoint =
+        SocketEndpoint::new(messages_tx, status_tx, closed.clone(), limits.max_attempts, Backoff::default());
+    endpoint.max_in_flight = limits.max_in_flight;
+    let endpoint = Arc::new(endpoint);
     let session_cancel = CancellationToken::new();
     let mut session = tokio::spawn(run(Arc::new(Endpoint::Socket(endpoint.clone())), session_cancel.clone()));
     let subscriptions = state.instances.as_ref().map(|i| i.subscriptions.clone());

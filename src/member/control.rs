@@ -22,18 +22,34 @@ pub fn control_subject(who: &MemberRef) -> String {
 pub enum Control {
     /// Blocked partitions and counters.
     Status,
-    /// Terminate a blocked partition's head (to the dead-letter stream).
-    Skip { partition: u32 },
-    /// Redeliver a blocked partition's head now instead of after its delay.
-    RetryNow { partition: u32 },
+    /// Terminate a blocked lane's head (to the dead-letter stream): the
+    /// partition's, or under key ordering the named key's (or the
+    /// partition's only blocked key).
+    Skip {
+        partition: u32,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        key: Option<String>,
+    },
+    /// Redeliver a blocked lane's head now instead of after its delay.
+    RetryNow {
+        partition: u32,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        key: Option<String>,
+    },
     /// Every instance of the member answers, pinned or not (who stands by).
     RollCall,
 }
 
-/// A blocked partition as the pinned instance reports it.
+/// Most blocked lanes one instance lists in its answer (the count is whole).
+pub const MAX_BLOCKED_LISTED: usize = 100;
+
+/// A blocked partition, or key of a partition, as the pinned instance reports it.
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct BlockedPartition {
     pub partition: u32,
+    /// The blocked key under key ordering (`null`: the whole partition, or a keyless message).
+    #[serde(default)]
+    pub key: Option<String>,
     /// Stream sequence of the head message.
     pub seq: u64,
     #[serde(with = "time::serde::rfc3339")]
@@ -50,8 +66,12 @@ pub struct ControlReply {
     pub ok: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Blocked lanes, oldest head first, at most [`MAX_BLOCKED_LISTED`].
     #[serde(default)]
     pub blocked: Vec<BlockedPartition>,
+    /// How many lanes are blocked in all.
+    #[serde(default)]
+    pub blocked_total: usize,
     #[serde(default)]
     pub holding: usize,
     #[serde(default)]

@@ -18,7 +18,7 @@ use crate::delivery::webhook::{registration_key, Registration};
 use crate::events::Event;
 use crate::groups::config::{ELASTIC_BUCKET, STATIC_BUCKET};
 use crate::groups::spec::filter_subjects_of;
-use crate::groups::store::DEFAULT_ACK_WAIT_MS;
+use crate::groups::store::{DEFAULT_ACK_WAIT_MS, SETTINGS_BUCKET};
 use crate::groups::{GroupConfig, GroupKind};
 use crate::member_ref::MemberRef;
 
@@ -63,6 +63,7 @@ pub async fn serve_member(
         }
         // Taken before the configuration is read, so no update falls between.
         let updates = (ctx.config_watch.subscribe(STATIC_BUCKET), ctx.config_watch.subscribe(ELASTIC_BUCKET));
+        let settings_updates = ctx.config_watch.subscribe(SETTINGS_BUCKET);
         let stored = match Box::pin(ctx.groups.load(&who.stream, &who.group, None)).await {
             Ok(g) => g,
             Err(e) => {
@@ -75,11 +76,10 @@ pub async fn serve_member(
         };
         let group =
             SharedGroup { revision: stored.revision, config: ctx.share_config(&who, stored.revision, stored.config) };
-        let ack_wait = Box::pin(ctx.groups.settings(&who.stream, &who.group))
-            .await
-            .ok()
-            .and_then(|s| s.ack_wait_ms)
-            .map_or(Duration::from_millis(DEFAULT_ACK_WAIT_MS), Duration::from_millis);
+        // Unreadable settings keep the defaults: ack wait 5 s and partition
+        // ordering, the stricter order.
+        let settings = Box::pin(ctx.groups.settings(&who.stream, &who.group)).await.unwrap_or_default();
+        let ack_wait = Duration::from_millis(settings.ack_wait_ms.unwrap_or(DEFAULT_ACK_WAIT_MS));
         let partitions = group.config.partitions_of(who.member.as_str());
         if last_partitions.as_ref() != Some(&partitions) {
             ctx.events.emit(Event::assignment_changed(ctx.about(&who), partitions.clone()));
@@ -132,6 +132,7 @@ pub async fn serve_member(
             stream_name: stream_name.clone(),
             consumer: consumer.clone(),
             ack_wait,
+            settings,
         };
         let session = Box::pin(Session::new(ctx.clone(), who.clone(), endpoint.clone(), joined)).await;
         let Some(session) = session else {
@@ -144,7 +145,7 @@ pub async fn serve_member(
             GroupKind::Static => updates.0,
             GroupKind::Elastic => updates.1,
         };
-        match session.run(&cancel, updates).await {
+        match session.run(&cancel, updates, settings_updates).await {
             SessionEnd::Shutdown => return,
             SessionEnd::Gone => {
                 if let Endpoint::Webhook { registration, .. } = &*endpoint {

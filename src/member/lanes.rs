@@ -1,21 +1,63 @@
-//! Partition lanes: which message may go to the endpoint next. Pure state,
+//! Delivery lanes: which message may go to the endpoint next. Pure state,
 //! no I/O, so the ordering rules are tested exhaustively.
 //!
+//! A lane is the unit of order: a whole partition (a group's `ordering`
+//! is `partition`), or one key of a partition (`ordering` is `key`).
 //! Rules (docs/guarantees.md, "Per-key order"):
-//! - one message in flight per partition; partitions are independent;
+//! - one message in flight per lane; lanes are independent, and at most
+//!   `max_in_flight` messages are in flight across all of them;
 //! - a lane dispatches in stream-sequence order and never passes a lower
-//!   sequence of its partition that is still outstanding (NAK'd and awaiting
-//!   redelivery);
+//!   sequence of its own that is still outstanding (NAK'd and awaiting
+//!   redelivery); ready lanes go oldest head first;
 //! - while the handover barrier is up nothing is dispatched;
 //! - a redelivery is answered without the endpoint only when this very
 //!   sequence was settled here by a verdict (its ack or term was lost): the
 //!   same settlement is sent again. Anything else goes to the endpoint
-//!   (docs/guarantees.md, "Nothing acknowledged is lost").
+//!   (docs/guarantees.md, "Nothing acknowledged is lost");
+//! - a lane exists only while it holds, delivers or awaits something, so
+//!   memory follows what is outstanding, not how many keys were ever seen.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::SystemTime;
 
-/// Why a partition's head is not moving.
+/// What orders a message against others of its partition.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum LaneKey {
+    /// The whole partition: partition ordering, or a key ordering whose
+    /// key cannot be found in the subject (the safe side).
+    Partition,
+    /// One key's messages (the partitioning tokens of the subject).
+    Key(Arc<str>),
+    /// A keyless message (its stream sequence): ordered with nothing.
+    Alone(u64),
+}
+
+impl LaneKey {
+    /// The key as users name it (`None` for a whole partition or a keyless message).
+    pub fn key(&self) -> Option<&str> {
+        match self {
+            Self::Key(key) => Some(key),
+            Self::Partition | Self::Alone(_) => None,
+        }
+    }
+}
+
+/// One lane: a partition, and within it a key (or the whole partition).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LaneId {
+    pub partition: u32,
+    pub key: LaneKey,
+}
+
+impl LaneId {
+    /// The lane of a whole partition.
+    pub fn partition(partition: u32) -> Self {
+        Self { partition, key: LaneKey::Partition }
+    }
+}
+
+/// Why a lane's head is not moving.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Blocked {
     /// Stream sequence of the head message.
@@ -37,53 +79,55 @@ pub enum Settlement {
     Terminated,
 }
 
-/// Settled sequences remembered per lane, to answer a redelivery whose ack
-/// was lost. Older ones are forgotten: their redelivery is delivered again
-/// (a duplicate with a higher attempt, never a loss).
+/// Settled sequences remembered per partition, to answer a redelivery whose
+/// ack was lost. Older ones are forgotten: their redelivery is delivered
+/// again (a duplicate with a higher attempt, never a loss).
 const REMEMBERED_SETTLEMENTS: usize = 64;
+
+/// What a partition remembers of its settled messages.
+#[derive(Debug, Default)]
+struct Settlements {
+    /// Highest sequence settled (backlog estimates only: a maximum, not a
+    /// set, and it never decides what is acked).
+    highest: u64,
+    /// The sequences settled most recently, exactly, with how.
+    recent: VecDeque<(u64, Settlement)>,
+}
+
+impl Settlements {
+    fn remember(&mut self, seq: u64, how: Settlement) {
+        self.highest = self.highest.max(seq);
+        if self.recent.len() == REMEMBERED_SETTLEMENTS {
+            self.recent.pop_front();
+        }
+        self.recent.push_back((seq, how));
+    }
+
+    fn of(&self, seq: u64) -> Option<Settlement> {
+        self.recent.iter().rev().find(|(s, _)| *s == seq).map(|(_, how)| *how)
+    }
+}
 
 #[derive(Debug)]
 struct Lane<M> {
-    /// Highest sequence settled in this lane (backlog estimates only: it is
-    /// a maximum, not a set, and never decides what is acked).
-    floor: u64,
-    /// The sequences settled most recently, exactly, with how.
-    settled: VecDeque<(u64, Settlement)>,
     held: BTreeMap<u64, M>,
     in_flight: Option<(u64, M)>,
     /// NAK'd messages, with their last copy (for skip and retry-now).
     awaiting: BTreeMap<u64, M>,
     blocked: Option<Blocked>,
+    /// The head under which this lane is listed as ready.
+    listed: Option<u64>,
 }
 
 impl<M> Default for Lane<M> {
     fn default() -> Self {
-        Self {
-            floor: 0,
-            settled: VecDeque::new(),
-            held: BTreeMap::new(),
-            in_flight: None,
-            awaiting: BTreeMap::new(),
-            blocked: None,
-        }
+        Self { held: BTreeMap::new(), in_flight: None, awaiting: BTreeMap::new(), blocked: None, listed: None }
     }
 }
 
 impl<M> Lane<M> {
     fn is_empty(&self) -> bool {
         self.held.is_empty() && self.in_flight.is_none() && self.awaiting.is_empty() && self.blocked.is_none()
-    }
-
-    fn remember(&mut self, seq: u64, how: Settlement) {
-        self.floor = self.floor.max(seq);
-        if self.settled.len() == REMEMBERED_SETTLEMENTS {
-            self.settled.pop_front();
-        }
-        self.settled.push_back((seq, how));
-    }
-
-    fn settlement_of(&self, seq: u64) -> Option<Settlement> {
-        self.settled.iter().rev().find(|(s, _)| *s == seq).map(|(_, how)| *how)
     }
 
     /// The head, if it may go now.
@@ -97,6 +141,15 @@ impl<M> Lane<M> {
             _ => Some(head),
         }
     }
+
+    /// The lowest sequence this lane holds, delivers or awaits.
+    fn lowest(&self) -> Option<u64> {
+        [self.held.keys().next(), self.in_flight.as_ref().map(|(s, _)| s), self.awaiting.keys().next()]
+            .into_iter()
+            .flatten()
+            .min()
+            .copied()
+    }
 }
 
 /// How a dispatched message was settled.
@@ -104,7 +157,7 @@ impl<M> Lane<M> {
 pub enum Settled {
     /// Acked or terminated: it is gone.
     Done(Settlement),
-    /// NAK'd: it will be redelivered, and nothing later in its partition may
+    /// NAK'd: it will be redelivered, and nothing later in its lane may
     /// pass it until then.
     Naked { attempts: u64, error: String },
     /// The endpoint was not reached because this instance stopped serving;
@@ -120,38 +173,69 @@ pub enum Offered {
     /// A redelivery of a message already held or in flight: the newer copy
     /// replaces a held one; an in-flight one keeps going.
     Duplicate,
-    /// A redelivery of a message this lane settled itself (its ack or term
-    /// was lost): send the same settlement again, do not deliver it again.
+    /// A redelivery of a message this instance settled itself (its ack or
+    /// term was lost): send the same settlement again, do not deliver it again.
     AlreadySettled(Settlement),
+}
+
+/// A message handed out for delivery, now in flight.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Dispatched<M> {
+    pub lane: LaneId,
+    pub seq: u64,
+    pub message: M,
 }
 
 /// All lanes of one member instance.
 #[derive(Debug)]
 pub struct Lanes<M> {
-    lanes: BTreeMap<u32, Lane<M>>,
+    lanes: HashMap<LaneId, Lane<M>>,
+    settlements: BTreeMap<u32, Settlements>,
+    /// Lanes whose head may go, oldest head first.
+    ready: BTreeSet<(u64, LaneId)>,
+    in_flight: usize,
+    max_in_flight: usize,
     barrier: bool,
 }
 
 impl<M> Default for Lanes<M> {
     fn default() -> Self {
-        Self { lanes: BTreeMap::new(), barrier: false }
+        Self::new(usize::MAX)
+    }
+}
+
+impl<M> Lanes<M> {
+    /// Lanes that deliver at most `max_in_flight` messages at once.
+    pub fn new(max_in_flight: usize) -> Self {
+        Self {
+            lanes: HashMap::new(),
+            settlements: BTreeMap::new(),
+            ready: BTreeSet::new(),
+            in_flight: 0,
+            max_in_flight: max_in_flight.max(1),
+            barrier: false,
+        }
     }
 }
 
 impl<M: Clone> Lanes<M> {
-    /// Takes a delivered message into its partition's lane.
-    pub fn offer(&mut self, partition: u32, seq: u64, message: M) -> Offered {
-        let lane = self.lanes.entry(partition).or_default();
+    /// Takes a delivered message into its lane.
+    pub fn offer(&mut self, id: LaneId, seq: u64, message: M) -> Offered {
+        let lane = self.lanes.entry(id.clone()).or_default();
         if lane.in_flight.as_ref().is_some_and(|(s, _)| *s == seq) {
             return Offered::Duplicate;
         }
         if !lane.awaiting.contains_key(&seq) {
-            if let Some(how) = lane.settlement_of(seq) {
+            if let Some(how) = self.settlements.get(&id.partition).and_then(|s| s.of(seq)) {
+                if lane.is_empty() {
+                    self.lanes.remove(&id);
+                }
                 return Offered::AlreadySettled(how);
             }
         }
         let returning = lane.awaiting.remove(&seq).is_some();
         let replaced = lane.held.insert(seq, message).is_some();
+        self.refresh(&id);
         if replaced && !returning {
             Offered::Duplicate
         } else {
@@ -160,38 +244,32 @@ impl<M: Clone> Lanes<M> {
     }
 
     /// Messages that may go to the endpoint now, marked in flight.
-    pub fn dispatch(&mut self) -> Vec<(u32, u64, M)> {
-        if self.barrier {
-            return Vec::new();
-        }
-        let mut out = Vec::new();
-        for (&partition, lane) in &mut self.lanes {
-            if let Some(seq) = lane.ready() {
-                let message = lane.held.remove(&seq).expect("ready head is held");
-                lane.in_flight = Some((seq, message.clone()));
-                out.push((partition, seq, message));
-            }
-        }
-        out
+    pub fn dispatch(&mut self) -> Vec<Dispatched<M>> {
+        std::iter::from_fn(|| self.dispatch_one()).collect()
     }
 
-    /// The next message of one partition, if it may go now (marked in flight).
-    pub fn dispatch_partition(&mut self, partition: u32) -> Option<(u64, M)> {
-        if self.barrier {
+    /// The oldest head that may go now, marked in flight.
+    pub fn dispatch_one(&mut self) -> Option<Dispatched<M>> {
+        if self.barrier || self.in_flight >= self.max_in_flight {
             return None;
         }
-        let lane = self.lanes.get_mut(&partition)?;
-        let seq = lane.ready()?;
-        let message = lane.held.remove(&seq).expect("ready head is held");
+        let (seq, id) = self.ready.pop_first()?;
+        let lane = self.lanes.get_mut(&id).expect("a listed lane exists");
+        lane.listed = None;
+        let message = lane.held.remove(&seq).expect("a listed head is held");
         lane.in_flight = Some((seq, message.clone()));
-        Some((seq, message))
+        self.in_flight += 1;
+        Some(Dispatched { lane: id, seq, message })
     }
 
     /// Records how an in-flight message ended.
-    pub fn settle(&mut self, partition: u32, seq: u64, settled: Settled) {
-        let Some(lane) = self.lanes.get_mut(&partition) else { return };
+    pub fn settle(&mut self, id: &LaneId, seq: u64, settled: Settled) {
+        let Some(lane) = self.lanes.get_mut(id) else { return };
         let message = match lane.in_flight.take() {
-            Some((s, m)) if s == seq => Some(m),
+            Some((s, m)) if s == seq => {
+                self.in_flight -= 1;
+                Some(m)
+            }
             other => {
                 lane.in_flight = other;
                 None
@@ -199,7 +277,7 @@ impl<M: Clone> Lanes<M> {
         };
         match settled {
             Settled::Done(how) => {
-                lane.remember(seq, how);
+                self.settlements.entry(id.partition).or_default().remember(seq, how);
                 if lane.blocked.as_ref().is_some_and(|b| b.seq == seq) {
                     lane.blocked = None;
                 }
@@ -216,17 +294,55 @@ impl<M: Clone> Lanes<M> {
             }
             Settled::Abandoned => {}
         }
+        self.refresh(id);
     }
 
-    /// Whether the partition's head is retrying.
-    pub fn blocked(&self) -> BTreeMap<u32, Blocked> {
-        self.lanes.iter().filter_map(|(p, lane)| lane.blocked.clone().map(|b| (*p, b))).collect()
+    /// Lists or unlists a lane as ready, and forgets it once empty.
+    fn refresh(&mut self, id: &LaneId) {
+        let Some(lane) = self.lanes.get_mut(id) else { return };
+        let ready = lane.ready();
+        if lane.listed != ready {
+            if let Some(old) = lane.listed.take() {
+                self.ready.remove(&(old, id.clone()));
+            }
+            if let Some(head) = ready {
+                self.ready.insert((head, id.clone()));
+            }
+            lane.listed = ready;
+        }
+        if lane.is_empty() {
+            self.lanes.remove(id);
+        }
     }
 
-    /// Per partition, the highest sequence settled (every earlier message
-    /// of the partition this instance saw is settled too).
+    /// Lanes whose head is retrying, in lane order.
+    pub fn blocked(&self) -> Vec<(LaneId, Blocked)> {
+        let mut blocked: Vec<(LaneId, Blocked)> =
+            self.lanes.iter().filter_map(|(id, lane)| Some((id.clone(), lane.blocked.clone()?))).collect();
+        blocked.sort_by(|a, b| a.0.cmp(&b.0));
+        blocked
+    }
+
+    /// Why one lane is blocked, if it is.
+    pub fn blocked_lane(&self, id: &LaneId) -> Option<&Blocked> {
+        self.lanes.get(id)?.blocked.as_ref()
+    }
+
+    /// Per partition, the highest sequence below which every message of the
+    /// partition this instance saw is settled.
     pub fn floors(&self) -> BTreeMap<u32, u64> {
-        self.lanes.iter().filter(|(_, lane)| lane.floor > 0).map(|(p, lane)| (*p, lane.floor)).collect()
+        let mut lowest: BTreeMap<u32, u64> = BTreeMap::new();
+        for (id, lane) in &self.lanes {
+            if let Some(seq) = lane.lowest() {
+                let entry = lowest.entry(id.partition).or_insert(seq);
+                *entry = (*entry).min(seq);
+            }
+        }
+        self.settlements
+            .iter()
+            .map(|(p, s)| (*p, lowest.get(p).map_or(s.highest, |l| s.highest.min(l - 1))))
+            .filter(|(_, floor)| *floor > 0)
+            .collect()
     }
 
     /// Holds or releases every lane (the handover barrier).
@@ -241,12 +357,22 @@ impl<M: Clone> Lanes<M> {
 
     /// Messages delivered to this instance and not yet settled: held plus in flight.
     pub fn holding(&self) -> usize {
-        self.lanes.values().map(|l| l.held.len() + usize::from(l.in_flight.is_some())).sum()
+        self.lanes.values().map(|l| l.held.len()).sum::<usize>() + self.in_flight
     }
 
     /// NAK'd messages this instance waits for.
     pub fn awaiting(&self) -> usize {
         self.lanes.values().map(|l| l.awaiting.len()).sum()
+    }
+
+    /// Messages in flight now.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    /// Lanes that exist now (each holds, delivers or awaits something).
+    pub fn lane_count(&self) -> usize {
+        self.lanes.len()
     }
 
     /// Held messages in the fullest lane.
@@ -259,13 +385,6 @@ impl<M: Clone> Lanes<M> {
         self.lanes.values().flat_map(|l| l.held.values())
     }
 
-    /// Forgets everything (the consumer was replaced): the held messages
-    /// are returned so the caller can let them go.
-    pub fn clear(&mut self) -> Vec<M> {
-        let lanes = std::mem::take(&mut self.lanes);
-        lanes.into_values().flat_map(|l| l.held.into_values()).collect()
-    }
-
     /// The pin was lost: held and NAK'd messages now belong to the next
     /// holder, but messages in flight stay tracked (and kept alive) until
     /// their delivery ends, so the next holder's barrier waits for them.
@@ -275,13 +394,11 @@ impl<M: Clone> Lanes<M> {
             released.extend(std::mem::take(&mut lane.held).into_values());
             lane.awaiting.clear();
             lane.blocked = None;
+            lane.listed = None;
         }
+        self.ready.clear();
+        self.lanes.retain(|_, lane| !lane.is_empty());
         released
-    }
-
-    /// Partitions with anything held, in flight or awaited.
-    pub fn partitions(&self) -> Vec<u32> {
-        self.lanes.iter().filter(|(_, l)| !l.is_empty()).map(|(p, _)| *p).collect()
     }
 
     /// Messages in flight, for progress acks while the endpoint works.
@@ -289,33 +406,34 @@ impl<M: Clone> Lanes<M> {
         self.lanes.values().filter_map(|l| l.in_flight.as_ref().map(|(_, m)| m))
     }
 
-    /// The NAK'd head a blocked partition waits for, with its last copy.
-    pub fn blocked_head(&self, partition: u32) -> Option<(u64, M)> {
-        let lane = self.lanes.get(&partition)?;
+    /// The NAK'd head a blocked lane waits for, with its last copy.
+    pub fn blocked_head(&self, id: &LaneId) -> Option<(u64, M)> {
+        let lane = self.lanes.get(id)?;
         let seq = lane.blocked.as_ref()?.seq;
         lane.awaiting.get(&seq).map(|m| (seq, m.clone()))
     }
 
-    /// The lowest NAK'd sequence each partition waits for.
-    pub fn awaited_heads(&self) -> Vec<(u32, u64)> {
-        self.lanes.iter().filter_map(|(p, l)| l.awaiting.keys().next().map(|s| (*p, *s))).collect()
+    /// The lowest NAK'd sequence each lane waits for.
+    pub fn awaited_heads(&self) -> Vec<(LaneId, u64)> {
+        self.lanes.iter().filter_map(|(id, l)| l.awaiting.keys().next().map(|s| (id.clone(), *s))).collect()
     }
 
     /// Stops waiting for a blocked head: it was terminated by an operator
     /// (`Some`, remembered like any settlement), or the server answered that
     /// it no longer exists (`None`: if it ever came back it would be
-    /// delivered). The partition proceeds with what follows.
-    pub fn skip(&mut self, partition: u32, seq: u64, how: Option<Settlement>) {
-        if let Some(lane) = self.lanes.get_mut(&partition) {
-            lane.awaiting.remove(&seq);
-            match how {
-                Some(how) => lane.remember(seq, how),
-                None => lane.floor = lane.floor.max(seq),
-            }
-            if lane.blocked.as_ref().is_some_and(|b| b.seq == seq) {
-                lane.blocked = None;
-            }
+    /// delivered). The lane proceeds with what follows.
+    pub fn skip(&mut self, id: &LaneId, seq: u64, how: Option<Settlement>) {
+        let Some(lane) = self.lanes.get_mut(id) else { return };
+        lane.awaiting.remove(&seq);
+        if lane.blocked.as_ref().is_some_and(|b| b.seq == seq) {
+            lane.blocked = None;
         }
+        let settlements = self.settlements.entry(id.partition).or_default();
+        match how {
+            Some(how) => settlements.remember(seq, how),
+            None => settlements.highest = settlements.highest.max(seq),
+        }
+        self.refresh(id);
     }
 }
 
@@ -327,19 +445,31 @@ mod tests {
         Settled::Naked { attempts: 1, error: "503".into() }
     }
 
-    fn seqs(d: &[(u32, u64, u64)]) -> Vec<(u32, u64)> {
-        d.iter().map(|(p, s, _)| (*p, *s)).collect()
+    fn p(partition: u32) -> LaneId {
+        LaneId::partition(partition)
+    }
+
+    fn k(partition: u32, key: &str) -> LaneId {
+        LaneId { partition, key: LaneKey::Key(key.into()) }
+    }
+
+    fn seqs(d: &[Dispatched<u64>]) -> Vec<(u32, u64)> {
+        d.iter().map(|d| (d.lane.partition, d.seq)).collect()
+    }
+
+    fn ack(lanes: &mut Lanes<u64>, id: &LaneId, seq: u64) {
+        lanes.settle(id, seq, Settled::Done(Settlement::Acked));
     }
 
     #[test]
     fn one_in_flight_per_partition_and_partitions_are_independent() {
         let mut lanes = Lanes::default();
-        for (p, s) in [(0, 1), (1, 2), (0, 3), (1, 4), (2, 5)] {
-            lanes.offer(p, s, s);
+        for (partition, s) in [(0, 1), (1, 2), (0, 3), (1, 4), (2, 5)] {
+            lanes.offer(p(partition), s, s);
         }
         assert_eq!(seqs(&lanes.dispatch()), vec![(0, 1), (1, 2), (2, 5)]);
         assert!(lanes.dispatch().is_empty());
-        lanes.settle(1, 2, Settled::Done(Settlement::Acked));
+        ack(&mut lanes, &p(1), 2);
         assert_eq!(seqs(&lanes.dispatch()), vec![(1, 4)]);
         assert_eq!(lanes.holding(), 4);
     }
@@ -347,30 +477,85 @@ mod tests {
     #[test]
     fn a_naked_message_is_never_overtaken() {
         let mut lanes = Lanes::default();
-        lanes.offer(0, 1, 1);
-        lanes.offer(0, 2, 2);
+        lanes.offer(p(0), 1, 1);
+        lanes.offer(p(0), 2, 2);
         assert_eq!(seqs(&lanes.dispatch()), vec![(0, 1)]);
-        lanes.settle(0, 1, naked());
+        lanes.settle(&p(0), 1, naked());
         assert!(lanes.dispatch().is_empty(), "2 waits for 1 to come back");
-        lanes.offer(0, 3, 3);
+        lanes.offer(p(0), 3, 3);
         assert!(lanes.dispatch().is_empty());
-        assert_eq!(lanes.blocked()[&0].seq, 1);
-        assert_eq!(lanes.offer(0, 1, 1), Offered::Held);
+        assert_eq!(lanes.blocked()[0].1.seq, 1);
+        assert_eq!(lanes.offer(p(0), 1, 1), Offered::Held);
         assert_eq!(seqs(&lanes.dispatch()), vec![(0, 1)]);
-        lanes.settle(0, 1, Settled::Done(Settlement::Acked));
+        ack(&mut lanes, &p(0), 1);
         assert!(lanes.blocked().is_empty());
         assert_eq!(seqs(&lanes.dispatch()), vec![(0, 2)]);
+    }
+
+    #[test]
+    fn a_blocked_key_holds_only_its_own_messages_and_other_keys_of_the_partition_overtake_it() {
+        let mut lanes = Lanes::default();
+        lanes.offer(k(0, "a"), 1, 1);
+        lanes.offer(k(0, "b"), 2, 2);
+        lanes.offer(k(0, "a"), 3, 3);
+        lanes.offer(k(0, "b"), 4, 4);
+        assert_eq!(seqs(&lanes.dispatch()), vec![(0, 1), (0, 2)], "one in flight per key, both keys at once");
+        lanes.settle(&k(0, "a"), 1, naked());
+        ack(&mut lanes, &k(0, "b"), 2);
+        let next = lanes.dispatch();
+        assert_eq!(next.iter().map(|d| d.seq).collect::<Vec<_>>(), vec![4], "b overtakes a's NAK'd 1; a's 3 waits");
+        assert_eq!(lanes.blocked().iter().map(|(id, b)| (id.clone(), b.seq)).collect::<Vec<_>>(), vec![(k(0, "a"), 1)]);
+        assert_eq!(lanes.offer(k(0, "a"), 1, 1), Offered::Held);
+        assert_eq!(lanes.dispatch().iter().map(|d| d.seq).collect::<Vec<_>>(), vec![1]);
+        ack(&mut lanes, &k(0, "a"), 1);
+        assert_eq!(lanes.dispatch().iter().map(|d| d.seq).collect::<Vec<_>>(), vec![3]);
+    }
+
+    #[test]
+    fn keyless_messages_are_ordered_with_nothing() {
+        let mut lanes = Lanes::default();
+        for seq in 1..=3 {
+            lanes.offer(LaneId { partition: 0, key: LaneKey::Alone(seq) }, seq, seq);
+        }
+        assert_eq!(lanes.dispatch().len(), 3);
+    }
+
+    #[test]
+    fn no_more_than_max_in_flight_go_at_once_and_the_oldest_head_goes_first() {
+        let mut lanes = Lanes::new(2);
+        for (key, seq) in [("c", 5), ("a", 7), ("b", 6), ("d", 8)] {
+            lanes.offer(k(0, key), seq, seq);
+        }
+        assert_eq!(seqs(&lanes.dispatch()), vec![(0, 5), (0, 6)]);
+        assert_eq!(lanes.dispatch_one(), None);
+        ack(&mut lanes, &k(0, "b"), 6);
+        assert_eq!(lanes.dispatch_one().map(|d| d.seq), Some(7));
+        assert_eq!(lanes.in_flight(), 2);
+    }
+
+    #[test]
+    fn lanes_are_forgotten_once_settled_so_a_million_keys_cost_nothing_after_they_drain() {
+        let mut lanes = Lanes::new(64);
+        for seq in 1..=20_000u64 {
+            lanes.offer(k((seq % 16) as u32, &format!("key-{seq}")), seq, seq);
+            for d in lanes.dispatch() {
+                ack(&mut lanes, &d.lane, d.seq);
+            }
+        }
+        assert_eq!(lanes.lane_count(), 0);
+        assert_eq!(lanes.holding(), 0);
+        assert!(lanes.ready.is_empty());
     }
 
     #[test]
     fn older_messages_arriving_late_go_first() {
         let mut lanes = Lanes::default();
         lanes.set_barrier(true);
-        lanes.offer(0, 7, 7);
-        lanes.offer(0, 8, 8);
+        lanes.offer(p(0), 7, 7);
+        lanes.offer(p(0), 8, 8);
         assert!(lanes.dispatch().is_empty(), "the barrier holds everything");
         // A previous holder's un-acked message comes back.
-        lanes.offer(0, 3, 3);
+        lanes.offer(p(0), 3, 3);
         lanes.set_barrier(false);
         assert_eq!(seqs(&lanes.dispatch()), vec![(0, 3)]);
     }
@@ -378,31 +563,34 @@ mod tests {
     #[test]
     fn redeliveries_of_held_or_in_flight_messages_are_not_dispatched_twice() {
         let mut lanes = Lanes::default();
-        lanes.offer(0, 1, 1);
-        lanes.offer(0, 2, 2);
+        lanes.offer(p(0), 1, 1);
+        lanes.offer(p(0), 2, 2);
         lanes.dispatch();
-        assert_eq!(lanes.offer(0, 1, 10), Offered::Duplicate);
-        assert_eq!(lanes.offer(0, 2, 20), Offered::Duplicate);
-        lanes.settle(0, 1, Settled::Done(Settlement::Acked));
+        assert_eq!(lanes.offer(p(0), 1, 10), Offered::Duplicate);
+        assert_eq!(lanes.offer(p(0), 2, 20), Offered::Duplicate);
+        ack(&mut lanes, &p(0), 1);
         let next = lanes.dispatch();
-        assert_eq!(next, vec![(0, 2, 20)], "the newer copy (new reply subject) is used");
+        assert_eq!(
+            next,
+            vec![Dispatched { lane: p(0), seq: 2, message: 20 }],
+            "the newer copy (new reply subject) is used"
+        );
     }
 
     #[test]
     fn settling_everything_empties_the_lanes() {
         let mut lanes = Lanes::default();
-        lanes.offer(3, 1, 1);
+        lanes.offer(p(3), 1, 1);
         lanes.dispatch();
-        lanes.settle(3, 1, Settled::Done(Settlement::Acked));
+        ack(&mut lanes, &p(3), 1);
         assert_eq!(lanes.holding(), 0);
-        assert!(lanes.partitions().is_empty());
+        assert_eq!(lanes.lane_count(), 0);
         assert_eq!(
-            lanes.offer(3, 1, 1),
+            lanes.offer(p(3), 1, 1),
             Offered::AlreadySettled(Settlement::Acked),
             "a lost ack's redelivery is not delivered again"
         );
-        lanes.offer(3, 2, 2);
-        assert_eq!(lanes.clear(), vec![2]);
+        assert_eq!(lanes.lane_count(), 0);
     }
 
     #[test]
@@ -410,148 +598,196 @@ mod tests {
         // 2 and 3 went to a pull whose reply was lost with the NATS
         // connection; 4 arrived on a later pull and was settled first.
         let mut lanes = Lanes::default();
-        lanes.offer(0, 1, 1);
+        lanes.offer(p(0), 1, 1);
         lanes.dispatch();
-        lanes.settle(0, 1, Settled::Done(Settlement::Acked));
-        lanes.offer(0, 4, 4);
+        ack(&mut lanes, &p(0), 1);
+        lanes.offer(p(0), 4, 4);
         lanes.dispatch();
-        lanes.settle(0, 4, Settled::Done(Settlement::Acked));
-        assert_eq!(lanes.offer(0, 2, 2), Offered::Held, "never acked without reaching the endpoint");
-        assert_eq!(lanes.offer(0, 3, 3), Offered::Held);
+        ack(&mut lanes, &p(0), 4);
+        assert_eq!(lanes.offer(p(0), 2, 2), Offered::Held, "never acked without reaching the endpoint");
+        assert_eq!(lanes.offer(p(0), 3, 3), Offered::Held);
         assert_eq!(seqs(&lanes.dispatch()), vec![(0, 2)]);
-        assert_eq!(lanes.offer(0, 4, 4), Offered::AlreadySettled(Settlement::Acked), "4's lost ack is sent again");
+        assert_eq!(lanes.offer(p(0), 4, 4), Offered::AlreadySettled(Settlement::Acked), "4's lost ack is sent again");
     }
 
     #[test]
     fn only_recent_settlements_are_remembered_and_a_forgotten_one_is_delivered_again() {
         let mut lanes = Lanes::default();
         for seq in 1..=(REMEMBERED_SETTLEMENTS as u64 + 1) {
-            lanes.offer(0, seq, seq);
+            lanes.offer(p(0), seq, seq);
             lanes.dispatch();
-            lanes.settle(0, seq, Settled::Done(Settlement::Acked));
+            ack(&mut lanes, &p(0), seq);
         }
-        assert_eq!(lanes.offer(0, 1, 1), Offered::Held, "a duplicate delivery, never a loss");
-        assert_eq!(lanes.offer(0, 2, 2), Offered::AlreadySettled(Settlement::Acked));
+        assert_eq!(lanes.offer(p(0), 1, 1), Offered::Held, "a duplicate delivery, never a loss");
+        assert_eq!(lanes.offer(p(0), 2, 2), Offered::AlreadySettled(Settlement::Acked));
     }
 
     #[test]
     fn a_skipped_head_is_terminated_again_if_it_returns_but_a_vanished_one_is_delivered() {
         let mut lanes = Lanes::default();
         for seq in [1, 2] {
-            lanes.offer(0, seq, seq);
+            lanes.offer(p(0), seq, seq);
         }
         lanes.dispatch();
-        lanes.settle(0, 1, naked());
-        lanes.skip(0, 1, Some(Settlement::Terminated));
-        assert_eq!(lanes.offer(0, 1, 1), Offered::AlreadySettled(Settlement::Terminated));
+        lanes.settle(&p(0), 1, naked());
+        lanes.skip(&p(0), 1, Some(Settlement::Terminated));
+        assert_eq!(lanes.offer(p(0), 1, 1), Offered::AlreadySettled(Settlement::Terminated));
         lanes.dispatch();
-        lanes.settle(0, 2, naked());
-        lanes.skip(0, 2, None);
-        assert_eq!(lanes.offer(0, 2, 2), Offered::Held);
+        lanes.settle(&p(0), 2, naked());
+        lanes.skip(&p(0), 2, None);
+        assert_eq!(lanes.offer(p(0), 2, 2), Offered::Held);
     }
 
     #[test]
     fn losing_the_pin_keeps_in_flight_messages_tracked() {
         let mut lanes = Lanes::default();
-        lanes.offer(0, 1, 1);
-        lanes.offer(0, 2, 2);
-        lanes.offer(1, 3, 3);
+        lanes.offer(p(0), 1, 1);
+        lanes.offer(p(0), 2, 2);
+        lanes.offer(p(1), 3, 3);
         lanes.dispatch();
-        lanes.settle(1, 3, naked());
+        lanes.settle(&p(1), 3, naked());
         assert_eq!(lanes.release_held(), vec![2]);
         assert_eq!(lanes.in_flight_messages().copied().collect::<Vec<_>>(), vec![1]);
         assert_eq!(lanes.holding(), 1);
         assert_eq!(lanes.awaiting(), 0);
         assert!(lanes.blocked().is_empty());
+        assert!(lanes.dispatch().is_empty());
     }
 
     #[test]
-    fn random_schedules_keep_per_partition_order() {
+    fn floors_stop_below_the_lowest_outstanding_message_of_the_partition() {
+        let mut lanes = Lanes::default();
+        lanes.offer(k(0, "a"), 1, 1);
+        lanes.offer(k(0, "b"), 2, 2);
+        lanes.dispatch();
+        ack(&mut lanes, &k(0, "b"), 2);
+        assert_eq!(lanes.floors(), BTreeMap::new(), "1 is still in flight");
+        ack(&mut lanes, &k(0, "a"), 1);
+        assert_eq!(lanes.floors(), BTreeMap::from([(0, 2)]));
+    }
+
+    /// The model's view of one lane: every sequence offered or in transit
+    /// and not yet settled, so the only one that may go is the lowest.
+    #[derive(Default)]
+    struct Model {
+        outstanding: BTreeMap<LaneId, BTreeSet<u64>>,
+        settled: BTreeSet<(u32, u64)>,
+    }
+
+    /// Random offers, settles, NAKs, redeliveries, messages lost in transit,
+    /// operator skips and the barrier, in both orderings, checked against
+    /// the model after every step: one in flight per lane, at most
+    /// `max_in_flight` in all, only a lane's lowest outstanding sequence
+    /// goes out, nothing while the barrier is up, a settlement is repeated
+    /// only for what was settled, and at the end everything drains and
+    /// every lane is forgotten.
+    #[test]
+    fn random_schedules_keep_per_lane_order_against_a_model() {
         use rand::{Rng, SeedableRng};
-        for seed in 0..200u64 {
+        for seed in 0..400u64 {
             let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-            let mut lanes: Lanes<u64> = Lanes::default();
+            let by_key = seed % 2 == 0;
+            let max_in_flight = rng.random_range(1..6);
+            let mut lanes: Lanes<u64> = Lanes::new(max_in_flight);
+            let mut model = Model::default();
+            let mut lane_of: BTreeMap<u64, LaneId> = BTreeMap::new();
             let mut next_seq = 1u64;
-            let mut delivered: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
-            let mut acked: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
-            let mut in_flight: Vec<(u32, u64)> = Vec::new();
-            let mut naked_out: Vec<(u32, u64)> = Vec::new();
-            let mut lost: Vec<(u32, u64)> = Vec::new();
-            // Only a message this lane settled may be answered without the endpoint.
-            let offer = |lanes: &mut Lanes<u64>, p: u32, s: u64, acked: &BTreeMap<u32, Vec<u64>>| {
-                if let Offered::AlreadySettled(_) = lanes.offer(p, s, s) {
-                    assert!(acked.get(&p).is_some_and(|a| a.contains(&s)), "seed {seed}: {s} settled unseen");
+            let mut in_flight: Vec<(LaneId, u64)> = Vec::new();
+            let mut naked_out: Vec<(LaneId, u64)> = Vec::new();
+            let mut lost: Vec<u64> = Vec::new();
+            let offer = |lanes: &mut Lanes<u64>, model: &Model, id: &LaneId, s: u64| {
+                if let Offered::AlreadySettled(_) = lanes.offer(id.clone(), s, s) {
+                    assert!(model.settled.contains(&(id.partition, s)), "seed {seed}: {s} settled unseen");
                 }
             };
-            for _ in 0..400 {
-                match rng.random_range(0..6) {
-                    // The barrier falls only when nothing is missing (the
-                    // session's check: the server's ack-pending count is ours).
-                    4 => lanes.set_barrier(!lanes.barrier() || !lost.is_empty()),
-                    5 if !naked_out.is_empty() => {
-                        // An operator skips a blocked head: it never comes back.
-                        let (p, s) = naked_out.remove(rng.random_range(0..naked_out.len()));
-                        if lanes.blocked_head(p).is_some_and(|(head, _)| head == s) {
-                            lanes.skip(p, s, Some(Settlement::Terminated));
-                        } else {
-                            naked_out.push((p, s));
-                        }
-                    }
-                    0 => {
-                        let p = rng.random_range(0..3);
+            let dispatch = |lanes: &mut Lanes<u64>, model: &Model, in_flight: &mut Vec<(LaneId, u64)>| {
+                let barrier = lanes.barrier();
+                for d in lanes.dispatch() {
+                    assert!(!barrier, "seed {seed}: nothing goes out while the barrier is up");
+                    assert_eq!(d.seq, d.message);
+                    let lowest = model.outstanding.get(&d.lane).and_then(|s| s.first().copied());
+                    assert_eq!(lowest, Some(d.seq), "seed {seed}: {:?} passed a lower sequence", d.lane);
+                    assert!(!in_flight.iter().any(|(l, _)| *l == d.lane), "seed {seed}: two in flight in a lane");
+                    in_flight.push((d.lane, d.seq));
+                }
+                assert!(in_flight.len() <= max_in_flight, "seed {seed}: over max_in_flight");
+                assert_eq!(lanes.in_flight(), in_flight.len());
+            };
+            let settle_done = |lanes: &mut Lanes<u64>, model: &mut Model, id: &LaneId, s: u64, how| {
+                lanes.settle(id, s, Settled::Done(how));
+                model.outstanding.get_mut(id).map(|set| set.remove(&s));
+                model.settled.insert((id.partition, s));
+            };
+            for _ in 0..500 {
+                match rng.random_range(0..7) {
+                    0 | 6 => {
+                        let partition = rng.random_range(0..3);
+                        let key = match (by_key, rng.random_range(0..5)) {
+                            (false, _) => LaneKey::Partition,
+                            (true, 0) => LaneKey::Alone(next_seq),
+                            (true, n) => LaneKey::Key(format!("k{n}").into()),
+                        };
+                        let id = LaneId { partition, key };
+                        model.outstanding.entry(id.clone()).or_default().insert(next_seq);
+                        lane_of.insert(next_seq, id.clone());
                         if rng.random_bool(0.1) {
                             // Lost in transit: the next delivery shows the gap
                             // and the barrier goes up until it is redelivered.
-                            lost.push((p, next_seq));
+                            lost.push(next_seq);
                         } else {
                             if !lost.is_empty() {
                                 lanes.set_barrier(true);
                             }
-                            offer(&mut lanes, p, next_seq, &acked);
+                            offer(&mut lanes, &model, &id, next_seq);
                         }
                         next_seq += 1;
                     }
-                    3 if !lost.is_empty() => {
-                        // Redelivered at ack wait.
-                        let (p, s) = lost.remove(0);
-                        offer(&mut lanes, p, s, &acked);
+                    // The barrier falls only when nothing is missing (the
+                    // session's check: the server's ack-pending count is ours).
+                    1 => lanes.set_barrier(!lanes.barrier() || !lost.is_empty()),
+                    2 if !lost.is_empty() => {
+                        let s = lost.remove(rng.random_range(0..lost.len()));
+                        offer(&mut lanes, &model, &lane_of[&s].clone(), s);
                     }
-                    1 if !in_flight.is_empty() => {
-                        let (p, s) = in_flight.remove(rng.random_range(0..in_flight.len()));
+                    3 if !in_flight.is_empty() => {
+                        let (id, s) = in_flight.remove(rng.random_range(0..in_flight.len()));
                         if rng.random_bool(0.3) {
-                            lanes.settle(p, s, naked());
-                            naked_out.push((p, s));
+                            lanes.settle(&id, s, naked());
+                            naked_out.push((id, s));
                         } else {
-                            lanes.settle(p, s, Settled::Done(Settlement::Acked));
-                            acked.entry(p).or_default().push(s);
+                            settle_done(&mut lanes, &mut model, &id, s, Settlement::Acked);
                         }
                     }
-                    2 if !naked_out.is_empty() => {
-                        let (p, s) = naked_out.remove(rng.random_range(0..naked_out.len()));
-                        offer(&mut lanes, p, s, &acked);
-                    }
-                    _ => {
-                        let barrier = lanes.barrier();
-                        let dispatched = lanes.dispatch();
-                        assert!(!barrier || dispatched.is_empty(), "nothing goes out while the barrier is up");
-                        for (p, s, _) in dispatched {
-                            delivered.entry(p).or_default().push(s);
-                            in_flight.push((p, s));
+                    4 if !naked_out.is_empty() => {
+                        let (id, s) = naked_out.remove(rng.random_range(0..naked_out.len()));
+                        if rng.random_bool(0.2) && lanes.blocked_head(&id).is_some_and(|(head, _)| head == s) {
+                            // An operator skips the blocked head: it never comes back.
+                            lanes.skip(&id, s, Some(Settlement::Terminated));
+                            model.outstanding.get_mut(&id).map(|set| set.remove(&s));
+                            model.settled.insert((id.partition, s));
+                        } else {
+                            offer(&mut lanes, &model, &id, s);
                         }
                     }
+                    _ => dispatch(&mut lanes, &model, &mut in_flight),
                 }
             }
-            for (p, seqs) in &acked {
-                let mut sorted = seqs.clone();
-                sorted.sort_unstable();
-                assert_eq!(seqs, &sorted, "seed {seed}: partition {p} acked out of order");
+            // Drain: everything in transit comes back, every delivery is acked.
+            for s in std::mem::take(&mut lost) {
+                offer(&mut lanes, &model, &lane_of[&s].clone(), s);
             }
-            for (p, seqs) in &delivered {
-                // A redelivery repeats its sequence; nothing later goes before it.
-                for window in seqs.windows(2) {
-                    assert!(window[1] >= window[0], "seed {seed}: partition {p} delivered {seqs:?}");
-                }
+            for (id, s) in std::mem::take(&mut naked_out) {
+                offer(&mut lanes, &model, &id, s);
             }
+            lanes.set_barrier(false);
+            loop {
+                dispatch(&mut lanes, &model, &mut in_flight);
+                let Some((id, s)) = in_flight.pop() else { break };
+                settle_done(&mut lanes, &mut model, &id, s, Settlement::Acked);
+            }
+            assert!(model.outstanding.values().all(BTreeSet::is_empty), "seed {seed}: something never went out");
+            assert_eq!(lanes.lane_count(), 0, "seed {seed}: drained lanes are forgotten");
+            assert_eq!(lanes.holding() + lanes.awaiting(), 0);
         }
     }
 }

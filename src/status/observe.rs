@@ -46,9 +46,11 @@ pub async fn observe(
             let owned = state.partitions.clone();
             floors.extend(reply.floors.into_iter().filter(|(p, _)| owned.contains(p)));
         }
+        view.blocked_total += reply.blocked_total.max(reply.blocked.len());
         for b in reply.blocked {
             view.blocked.push(BlockedView {
                 partition: b.partition,
+                key: b.key,
                 member: member.clone(),
                 seq: b.seq,
                 since: b.since,
@@ -57,7 +59,7 @@ pub async fn observe(
             });
         }
     }
-    view.blocked.sort_by_key(|b| b.partition);
+    view.blocked.sort_by(|a, b| (a.partition, &a.key, a.seq).cmp(&(b.partition, &b.key, b.seq)));
     if roll_call {
         let calls = view.assignment.iter().filter_map(|m| {
             let who = MemberRef {

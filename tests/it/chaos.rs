@@ -60,8 +60,10 @@ async fn nothing_is_lost_or_reordered_while_keygate_and_nats_are_killed() {
     let base = processes[0].base.clone();
     let put = |path: &str, body: Value| http.put(format!("{base}{path}")).json(&body).send();
     assert_eq!(put("/v1/streams/CHAOS", json!({"subjects":["chaos.*"],"partitions":16})).await.unwrap().status(), 201);
-    for (group, members) in [("hooks", json!(["m1", "m2"])), ("socket", json!(["w1"]))] {
-        let body = json!({"kind":"static","partitions":16,"members":members,"ack_wait_ms":2000});
+    // The webhook group keeps each key in order, the WebSocket group each
+    // partition: both orderings under the same faults.
+    for (group, members, ordering) in [("hooks", json!(["m1", "m2"]), "key"), ("socket", json!(["w1"]), "partition")] {
+        let body = json!({"kind":"static","partitions":16,"members":members,"ack_wait_ms":2000,"ordering":ordering});
         let status = put(&format!("/v1/streams/CHAOS/groups/{group}"), body).await.unwrap().status();
         assert_eq!(status, 201);
     }
@@ -162,6 +164,7 @@ async fn nothing_is_lost_or_reordered_while_keygate_and_nats_are_killed() {
     println!("| keygate processes SIGKILLed and restarted | {kills} (every {KILL_EVERY:?}) |");
     println!("| nats-server restarts (file store) | {} |", u8::from(nats_restarted));
     println!("| lost | 0 |");
+    println!("| orderings | webhook group by key, WebSocket member by partition |");
     println!("| per-key reorders | 0 |");
     println!("| acks without a verdict | 0 |");
     println!(

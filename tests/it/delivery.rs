@@ -12,15 +12,13 @@ use keygate::partition::{encode_key, partition_of_tokens};
 
 const PARTITIONS: u32 = 4;
 
-/// A stamped stream, a static group of one member `m1`, and its webhook.
+/// A stamped stream, a static group of one member `m1` ordered by
+/// partition (key ordering has its own tests in `key_order.rs`), and its webhook.
 async fn setup(app: &TestApp, receiver: &Receiver, webhook: Value) -> String {
     app.create_stream("ORDERS", json!({"subjects":["orders.*"],"partitions":PARTITIONS})).await;
-    let (status, _) = app
-        .put(
-            "/v1/streams/ORDERS/groups/g",
-            json!({"kind":"static","partitions":PARTITIONS,"members":["m1"],"ack_wait_ms":2000}),
-        )
-        .await;
+    let group =
+        json!({"kind":"static","partitions":PARTITIONS,"members":["m1"],"ack_wait_ms":2000,"ordering":"partition"});
+    let (status, _) = app.put("/v1/streams/ORDERS/groups/g", group).await;
     assert_eq!(status, 201);
     let mut body = webhook;
     body["url"] = json!(receiver.url("/hook"));
@@ -464,8 +462,12 @@ fn sample(text: &str, series: &str) -> Option<f64> {
 async fn backlog_per_partition_and_blocked_partitions_are_gauges() {
     let app = TestApp::start_with(|s| s.backlog_sample_interval = Some(Duration::from_millis(200))).await;
     app.create_stream("ORDERS", json!({"subjects":["orders.*"],"partitions":PARTITIONS})).await;
-    let (status, _) =
-        app.put("/v1/streams/ORDERS/groups/g", json!({"kind":"static","partitions":PARTITIONS,"members":["m1"]})).await;
+    let (status, _) = app
+        .put(
+            "/v1/streams/ORDERS/groups/g",
+            json!({"kind":"static","partitions":PARTITIONS,"members":["m1"],"ordering":"partition"}),
+        )
+        .await;
     assert_eq!(status, 201);
     let messages: Vec<(String, u64)> = (0..12).map(|n| (format!("k{n}"), n)).collect();
     publish(&app, &messages).await;

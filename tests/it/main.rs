@@ -11,6 +11,7 @@ mod errors;
 mod failover;
 mod groups;
 mod hardening;
+mod key_order;
 mod node_loss;
 mod openapi;
 mod publish;

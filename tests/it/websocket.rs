@@ -18,8 +18,10 @@ async fn setup(app: &TestApp, group: Value) {
     assert_eq!(status, 201, "{view}");
 }
 
+/// A group ordered by partition, what these tests pin down (key ordering
+/// has its own tests in `key_order.rs`).
 fn static_group(ack_wait_ms: u64) -> Value {
-    json!({"kind":"static","partitions":PARTITIONS,"members":["m1"],"ack_wait_ms":ack_wait_ms})
+    json!({"kind":"static","partitions":PARTITIONS,"members":["m1"],"ack_wait_ms":ack_wait_ms,"ordering":"partition"})
 }
 
 /// Publishes keyed messages `(key, n)`; returns their sequences in order.

@@ -6,9 +6,10 @@ use std::time::Instant;
 
 use super::{Session, SessionEnd};
 use crate::delivery::message::{Delivered, Partitioning};
+use crate::groups::Ordering;
 use crate::member::deliver::{remove, Because};
 use crate::member::join::pull_expiry;
-use crate::member::lanes::Offered;
+use crate::member::lanes::{LaneId, Offered};
 use crate::member::pull::{classify, PullRequest, Reply};
 
 /// Most messages asked for in one pull.
@@ -22,8 +23,11 @@ impl Session {
     pub(super) async fn ensure_pull(&mut self) {
         // Hold cap: a partition blocked with many messages behind its head
         // slows intake to one message per pull, which still keeps the pin.
+        // Under key ordering a blocked key holds back only its own messages,
+        // and what is held stays within the consumer's ack-pending limit.
+        let by_key = self.joined.settings.ordering() == Ordering::Key;
         let deepest = self.shared.lock().lanes.deepest();
-        let trickle = deepest >= self.ctx().hold_cap;
+        let trickle = !by_key && deepest >= self.ctx().hold_cap;
         loop {
             let enough = if trickle { !self.pulls.is_empty() } else { self.pulls.asked() >= MAX_PULL_BATCH };
             if enough || self.pulls.len() >= MAX_OPEN_PULLS {
@@ -101,8 +105,12 @@ impl Session {
                 "deliveries of the consumer went missing; holding until they are redelivered");
         }
         let (partition, stream_seq) = (delivered.partition, delivered.stream_seq);
+        let lane = match self.joined.settings.ordering() {
+            Ordering::Partition => LaneId::partition(partition),
+            Ordering::Key => self.keys.lane(partition, &delivered.subject, stream_seq),
+        };
         let held = Arc::new(delivered);
-        let offered = self.shared.lock().lanes.offer(partition, stream_seq, held.clone());
+        let offered = self.shared.lock().lanes.offer(lane, stream_seq, held.clone());
         if let Offered::AlreadySettled(how) = offered {
             tokio::spawn(async move {
                 let _ = remove(&held, Because::SettledBefore(how)).await;

@@ -1,6 +1,8 @@
-//! Lane tasks: each partition with a ready head has one, delivering its
-//! messages one at a time and picking the next itself, so a partition's
-//! next message goes out without a round trip through the session.
+//! Lane workers: each dispatched message has one, which delivers it,
+//! settles it in its lane, and takes the next message that may go (of any
+//! lane) itself, so the next delivery starts without a round trip through
+//! the session. At most `max_in_flight` run at once, since only a dispatch
+//! starts or continues one.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -13,72 +15,109 @@ use tokio::sync::Notify;
 
 use crate::delivery::endpoint::Endpoint;
 use crate::delivery::message::Held;
-use crate::events::Event;
+use crate::events::{About, Event};
 use crate::member::context::InstanceContext;
 use crate::member::deliver::{dead_letter_and_term, deliver, Outcome};
-use crate::member::lanes::{Lanes, Settled, Settlement};
+use crate::member::lanes::{Blocked, Dispatched, LaneId, LaneKey, Lanes, Settled, Settlement};
 use crate::member_ref::MemberRef;
 
-/// Lane state shared by the session and the lane tasks. Never held across
+/// Lane state shared by the session and the lane workers. Never held across
 /// an await.
 pub(super) struct LaneState {
     pub lanes: Lanes<Held>,
-    pub blocked_reported: BlockedPartitions,
-    /// Partitions whose head an operator skipped while it was being
-    /// delivered: it is dead-lettered when that attempt fails.
-    pub skip_requested: BTreeSet<u32>,
+    pub blocked_reported: BlockedLanes,
+    /// Lanes whose head an operator skipped while it was being delivered:
+    /// it is dead-lettered when that attempt fails.
+    pub skip_requested: BTreeSet<LaneId>,
 }
 
-/// Partitions reported blocked, mirrored in the blocked-partitions gauge
-/// (which drops back when the instance ends).
-pub(super) struct BlockedPartitions {
-    set: BTreeSet<u32>,
-    gauge: metrics::Gauge,
+/// Lanes reported blocked, mirrored in the blocked-partitions and
+/// blocked-keys gauges (which drop back when the instance ends).
+pub(super) struct BlockedLanes {
+    set: BTreeSet<LaneId>,
+    partitions: metrics::Gauge,
+    keys: metrics::Gauge,
 }
 
-impl BlockedPartitions {
+impl BlockedLanes {
     pub fn new(who: &MemberRef) -> Self {
-        let gauge = metrics::gauge!(crate::metrics::BLOCKED_PARTITIONS,
-            "stream" => who.stream.to_string(), "group" => who.group.to_string(), "member" => who.member.to_string());
-        Self { set: BTreeSet::new(), gauge }
-    }
-
-    pub fn contains(&self, partition: &u32) -> bool {
-        self.set.contains(partition)
-    }
-
-    pub fn insert(&mut self, partition: u32) {
-        if self.set.insert(partition) {
-            self.gauge.increment(1.0);
+        let labels =
+            [("stream", who.stream.to_string()), ("group", who.group.to_string()), ("member", who.member.to_string())];
+        Self {
+            set: BTreeSet::new(),
+            partitions: metrics::gauge!(crate::metrics::BLOCKED_PARTITIONS, labels.as_slice()),
+            keys: metrics::gauge!(crate::metrics::BLOCKED_KEYS, labels.as_slice()),
         }
     }
 
-    pub fn remove(&mut self, partition: &u32) {
-        if self.set.remove(partition) {
-            self.gauge.decrement(1.0);
+    fn gauge(&self, lane: &LaneId) -> &metrics::Gauge {
+        match lane.key {
+            LaneKey::Partition => &self.partitions,
+            LaneKey::Key(_) | LaneKey::Alone(_) => &self.keys,
         }
+    }
+
+    pub fn contains(&self, lane: &LaneId) -> bool {
+        self.set.contains(lane)
+    }
+
+    /// Counts the lane as reported; true when it was not yet.
+    pub fn insert(&mut self, lane: &LaneId) -> bool {
+        let new = self.set.insert(lane.clone());
+        if new {
+            self.gauge(lane).increment(1.0);
+        }
+        new
+    }
+
+    /// Uncounts the lane; true when it was reported.
+    pub fn remove(&mut self, lane: &LaneId) -> bool {
+        let was = self.set.remove(lane);
+        if was {
+            self.gauge(lane).decrement(1.0);
+        }
+        was
     }
 
     pub fn clear(&mut self) {
-        self.gauge.decrement(self.set.len() as f64);
-        self.set.clear();
+        for lane in std::mem::take(&mut self.set) {
+            self.gauge(&lane).decrement(1.0);
+        }
     }
 }
 
-impl Drop for BlockedPartitions {
+impl Drop for BlockedLanes {
     fn drop(&mut self) {
         self.clear();
     }
 }
 
-/// What lane tasks need.
+/// The event saying a lane's head failed: `partition.blocked` for a whole
+/// partition, `key.blocked` for a key.
+pub(super) fn blocked_event(about: About<'_>, lane: &LaneId, blocked: &Blocked) -> Event {
+    let (p, seq, attempts, error) = (lane.partition, blocked.seq, blocked.attempts, blocked.last_error.as_str());
+    match lane.key {
+        LaneKey::Partition => Event::partition_blocked(about, p, seq, attempts, error),
+        _ => Event::key_blocked(about, p, lane.key.key(), seq, attempts, error),
+    }
+}
+
+/// The event saying a lane's head passed (`reason`: how, when not by a verdict).
+pub(super) fn unblocked_event(about: About<'_>, lane: &LaneId, seq: u64, reason: Option<&str>) -> Event {
+    match lane.key {
+        LaneKey::Partition => Event::partition_unblocked(about, lane.partition, seq, reason),
+        _ => Event::key_unblocked(about, lane.partition, lane.key.key(), seq, reason),
+    }
+}
+
+/// What lane workers need.
 #[derive(Clone)]
 pub(super) struct LaneShared {
     pub ctx: Arc<InstanceContext>,
     pub who: MemberRef,
     pub endpoint: Arc<Endpoint>,
     pub state: Arc<Mutex<LaneState>>,
-    /// Whether this instance holds the pin (lanes stop when it does not).
+    /// Whether this instance holds the pin (workers stop when it does not).
     pub pinned: Arc<AtomicBool>,
     /// The fencing token deliveries carry.
     pub fencing: Arc<AtomicU64>,
@@ -93,38 +132,13 @@ impl LaneShared {
     }
 }
 
-/// Delivers one partition's messages, one at a time, for as long as the
-/// partition has a ready head: the next message goes out the moment the
-/// previous one is settled, without a round trip through the session.
-pub(super) async fn run_lane(shared: LaneShared, partition: u32, first: (u64, Held)) {
+/// Delivers `first`, then whatever may go next, one at a time, for as long
+/// as something may: each message is settled in its lane before the next
+/// is taken.
+pub(super) async fn run_worker(shared: LaneShared, first: Dispatched<Held>) {
     let mut next = Some(first);
-    while let Some((seq, held)) = next {
-        let fencing = shared.fencing.load(Ordering::Relaxed);
-        let delivery = deliver(shared.ctx.clone(), shared.who.clone(), shared.endpoint.clone(), held.clone(), fencing);
-        // A panic must not leave the partition marked in flight for ever.
-        let outcome = match std::panic::AssertUnwindSafe(delivery).catch_unwind().await {
-            Ok(outcome) => outcome,
-            Err(_) => {
-                tracing::error!(partition, seq, "delivery panicked; the message will be retried");
-                let _ = held.message.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
-                Outcome {
-                    settled: Settled::Naked { attempts: held.attempt, error: "keygate failed while delivering".into() },
-                    events: Vec::new(),
-                    gone: false,
-                }
-            }
-        };
-        let mut outcome = outcome;
-        let skip = matches!(outcome.settled, Settled::Naked { .. }) && shared.lock().skip_requested.remove(&partition);
-        if skip {
-            match dead_letter_and_term(&shared.ctx, &shared.who, &held, "skipped by an operator").await {
-                Ok(mut events) => {
-                    outcome.events.append(&mut events);
-                    outcome.settled = Settled::Done(Settlement::Terminated);
-                }
-                Err(e) => tracing::warn!(error = %e, partition, seq, "could not dead-letter a skipped message"),
-            }
-        }
+    while let Some(Dispatched { lane, seq, message: held }) = next {
+        let outcome = deliver_one(&shared, &lane, seq, &held).await;
         for e in outcome.events {
             shared.ctx.events.emit(e);
         }
@@ -134,23 +148,56 @@ pub(super) async fn run_lane(shared: LaneShared, partition: u32, first: (u64, He
         }
         let naked = matches!(outcome.settled, Settled::Naked { .. });
         let mut state = shared.lock();
-        let was_blocked = state.lanes.blocked().contains_key(&partition);
-        state.lanes.settle(partition, seq, outcome.settled);
-        let blocked = state.lanes.blocked().remove(&partition);
-        if naked && !state.blocked_reported.contains(&partition) {
-            state.blocked_reported.insert(partition);
+        let was_blocked = state.lanes.blocked_lane(&lane).is_some();
+        state.lanes.settle(&lane, seq, outcome.settled);
+        let blocked = state.lanes.blocked_lane(&lane).cloned();
+        let about = shared.ctx.about(&shared.who);
+        if naked && !state.blocked_reported.contains(&lane) {
+            state.blocked_reported.insert(&lane);
             if let Some(b) = blocked {
-                let about = shared.ctx.about(&shared.who);
-                shared.ctx.events.emit(Event::partition_blocked(about, partition, b.seq, b.attempts, &b.last_error));
+                shared.ctx.events.emit(blocked_event(about, &lane, &b));
             }
         } else if was_blocked && blocked.is_none() {
-            state.blocked_reported.remove(&partition);
-            shared.ctx.events.emit(Event::partition_unblocked(shared.ctx.about(&shared.who), partition, seq, None));
+            state.blocked_reported.remove(&lane);
+            shared.ctx.events.emit(unblocked_event(about, &lane, seq, None));
         }
         next = if shared.pinned.load(Ordering::Relaxed) && !shared.gone.load(Ordering::Relaxed) {
-            state.lanes.dispatch_partition(partition)
+            state.lanes.dispatch_one()
         } else {
             None
         };
     }
+}
+
+/// One delivery and its verdict; a head an operator asked to skip while it
+/// was out is dead-lettered when that attempt fails.
+async fn deliver_one(shared: &LaneShared, lane: &LaneId, seq: u64, held: &Held) -> Outcome {
+    let fencing = shared.fencing.load(Ordering::Relaxed);
+    let delivery = deliver(shared.ctx.clone(), shared.who.clone(), shared.endpoint.clone(), held.clone(), fencing);
+    // A panic must not leave the lane marked in flight for ever.
+    let mut outcome = match std::panic::AssertUnwindSafe(delivery).catch_unwind().await {
+        Ok(outcome) => outcome,
+        Err(_) => {
+            tracing::error!(partition = lane.partition, seq, "delivery panicked; the message will be retried");
+            let _ = held.message.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
+            Outcome {
+                settled: Settled::Naked { attempts: held.attempt, error: "keygate failed while delivering".into() },
+                events: Vec::new(),
+                gone: false,
+            }
+        }
+    };
+    let skip = matches!(outcome.settled, Settled::Naked { .. }) && shared.lock().skip_requested.remove(lane);
+    if skip {
+        match dead_letter_and_term(&shared.ctx, &shared.who, held, "skipped by an operator").await {
+            Ok(mut events) => {
+                outcome.events.append(&mut events);
+                outcome.settled = Settled::Done(Settlement::Terminated);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, partition = lane.partition, seq, "could not dead-letter a skipped message")
+            }
+        }
+    }
+    outcome
 }

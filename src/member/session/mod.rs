@@ -3,7 +3,7 @@
 //! ends on shutdown, a rebalance or a lost consumer. Its parts:
 //! - `intake.rs`: pulls and what their replies bring;
 //! - `pinning.rs`: gaining and losing the pin, the handover barrier, fencing;
-//! - `lane.rs`: the lane tasks that deliver;
+//! - `lane.rs`: the lane workers that deliver;
 //! - `control.rs`: operators' control requests;
 //! - `keys.rs`: finding the key in a subject.
 
@@ -26,17 +26,18 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use self::keys::KeyLocator;
-use self::lane::{run_lane, BlockedPartitions, LaneShared, LaneState};
+use self::lane::{run_worker, unblocked_event, BlockedLanes, LaneShared, LaneState};
 use super::context::InstanceContext;
-use super::lanes::Lanes;
+use super::lanes::{LaneId, Lanes};
 use super::pin::PinState;
 use super::pull::{DeliveryGaps, OpenPulls};
 use crate::delivery::endpoint::Endpoint;
 use crate::delivery::message::Held;
+use crate::delivery::webhook::DEFAULT_KEY_IN_FLIGHT;
 use crate::events::Event;
 use crate::groups::config::{config_key, PRIORITY_GROUP};
 use crate::groups::spec::filter_subjects_of;
-use crate::groups::GroupConfig;
+use crate::groups::{GroupConfig, GroupSettings, Ordering as GroupOrdering};
 use crate::member_ref::MemberRef;
 
 /// How often a non-pinned instance checks who holds the pin.
@@ -66,6 +67,8 @@ pub struct Joined {
     pub stream_name: String,
     pub consumer: String,
     pub ack_wait: Duration,
+    /// keygate's settings of the group, as read when joining.
+    pub settings: GroupSettings,
 }
 
 pub struct Session {
@@ -94,13 +97,17 @@ impl Session {
     ) -> Option<Self> {
         let keys = KeyLocator::for_group(&ctx, &joined.config, who.stream.as_str()).await?;
         let pulls = OpenPulls::new(ctx.nats.new_inbox());
-        let blocked_reported = BlockedPartitions::new(&who);
+        let blocked_reported = BlockedLanes::new(&who);
+        let max_in_flight = match joined.settings.ordering() {
+            GroupOrdering::Partition => endpoint.max_in_flight().unwrap_or(usize::MAX),
+            GroupOrdering::Key => endpoint.max_in_flight().unwrap_or(DEFAULT_KEY_IN_FLIGHT),
+        };
         let shared = LaneShared {
             ctx,
             who,
             endpoint,
             state: Arc::new(Mutex::new(LaneState {
-                lanes: Lanes::default(),
+                lanes: Lanes::new(max_in_flight),
                 blocked_reported,
                 skip_requested: BTreeSet::new(),
             })),
@@ -136,8 +143,14 @@ impl Session {
     }
 
     /// Serves until shutdown, a rebalance, or the consumer is gone;
-    /// `updates` brings the group's configuration changes.
-    pub async fn run(mut self, cancel: &CancellationToken, mut updates: Receiver<Arc<Entry>>) -> SessionEnd {
+    /// `updates` brings the group's configuration changes, `settings` the
+    /// changes of keygate's own settings of groups.
+    pub async fn run(
+        mut self,
+        cancel: &CancellationToken,
+        mut updates: Receiver<Arc<Entry>>,
+        mut settings: Receiver<Arc<Entry>>,
+    ) -> SessionEnd {
         let Ok(mut replies) = self.ctx().nats.subscribe(self.pulls.reply_filter()).await else {
             return SessionEnd::ConsumerGone;
         };
@@ -182,6 +195,11 @@ impl Session {
                         break end;
                     }
                 }
+                update = settings.recv() => {
+                    if let Some(end) = self.on_settings_update(update) {
+                        break end;
+                    }
+                }
             }
         };
         Box::pin(self.wind_down(&end)).await;
@@ -216,17 +234,35 @@ impl Session {
         changed.then_some(SessionEnd::Rejoin { pinned: self.pin.is_pinned() })
     }
 
-    /// Starts a lane task for every partition whose head may go and that
-    /// has no delivery running.
+    /// A change of keygate's settings of this group (its ordering, its ack
+    /// wait) ends the session, which joins again with them.
+    fn on_settings_update(&self, update: Result<Arc<Entry>, RecvError>) -> Option<SessionEnd> {
+        let key = config_key(self.who().stream.as_str(), self.who().group.as_str());
+        let entry = match update {
+            Ok(entry) if entry.key == key => entry,
+            Err(RecvError::Lagged(_)) => return Some(SessionEnd::Rejoin { pinned: self.pin.is_pinned() }),
+            Ok(_) | Err(RecvError::Closed) => return None,
+        };
+        let next: GroupSettings = match entry.operation {
+            Operation::Put => serde_json::from_slice(&entry.value).unwrap_or_default(),
+            Operation::Delete | Operation::Purge => GroupSettings::default(),
+        };
+        let current = &self.joined.settings;
+        let changed = next.ordering() != current.ordering() || next.ack_wait_ms != current.ack_wait_ms;
+        changed.then_some(SessionEnd::Rejoin { pinned: self.pin.is_pinned() })
+    }
+
+    /// Starts a lane worker for every message that may go now (each worker
+    /// then takes the next one itself).
     fn dispatch(&mut self) {
         if !self.pin.is_pinned() {
             return;
         }
         let ready = self.shared.lock().lanes.dispatch();
-        for (partition, seq, held) in ready {
-            self.lane_tasks.spawn(run_lane(self.shared.clone(), partition, (seq, held)));
+        for first in ready {
+            self.lane_tasks.spawn(run_worker(self.shared.clone(), first));
         }
-        // Reap finished lane tasks.
+        // Reap finished lane workers.
         while let Some(done) = self.lane_tasks.try_join_next() {
             if let Err(e) = done {
                 if e.is_panic() {
@@ -240,7 +276,7 @@ impl Session {
     /// stops waiting for NAK'd heads that will never come back (removed by
     /// the stream's limits or a purge).
     async fn progress(&mut self) {
-        let (messages, awaited): (Vec<Held>, Vec<(u32, u64)>) = {
+        let (messages, awaited): (Vec<Held>, Vec<(LaneId, u64)>) = {
             let state = self.shared.lock();
             let held = state.lanes.held_messages().chain(state.lanes.in_flight_messages()).cloned().collect();
             (held, state.lanes.awaited_heads())
@@ -252,7 +288,7 @@ impl Session {
             return;
         }
         let Ok(handle) = self.ctx().js.get_stream_no_info(&self.joined.stream_name).await else { return };
-        for (partition, seq) in awaited {
+        for (lane, seq) in awaited {
             // Only the stream leader's definite answer (error code 10037, "no
             // message found") says it is gone; a timeout, no responders or
             // an election says nothing, and the lane keeps waiting.
@@ -263,11 +299,11 @@ impl Session {
             }
             {
                 let mut state = self.shared.lock();
-                state.lanes.skip(partition, seq, None);
-                state.blocked_reported.remove(&partition);
+                state.lanes.skip(&lane, seq, None);
+                state.blocked_reported.remove(&lane);
             }
             let why = "the awaited message is no longer in the stream (limits or purge)";
-            self.ctx().events.emit(Event::partition_unblocked(self.ctx().about(self.who()), partition, seq, Some(why)));
+            self.ctx().events.emit(unblocked_event(self.ctx().about(self.who()), &lane, seq, Some(why)));
         }
     }
 
