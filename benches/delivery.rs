@@ -1,10 +1,21 @@
 //! Ordered delivery benchmark: keygate delivering a 16-partition backlog to a
 //! local webhook receiver, against a raw async-nats consumer that processes
 //! each partition serially (one message in flight per partition, the same
-//! HTTP call to the same receiver) in the same run; then the failover time
-//! when the pinned keygate process is killed.
+//! HTTP call to the same receiver) in the same run:
+//! - partition ordering against the raw consumer, unfiltered and with the
+//!   member's filters;
+//! - key ordering and partition ordering with 0, 1 and 20 ms of work, over
+//!   1,000 keys drawn uniformly and Zipf-like (s = 1), beside the raw
+//!   partition-serial consumer and a raw consumer with the member's filters
+//!   that keeps 256 messages in flight (no order: the server's ceiling);
+//! - a poison key: the rate of its partition's other keys with and without it;
+//! - memory: a million distinct keys through one member of a keygate process;
+//! - the failover time when the pinned keygate process is killed.
 //!
-//! `cargo bench --bench delivery` (env `KEYGATE_BENCH_MESSAGES`, default 20000).
+//! `cargo bench --bench delivery` (env `KEYGATE_BENCH_MESSAGES`, default
+//! 20000; `KEYGATE_BENCH_DISTINCT_KEYS`, default 1000000, 0 skips it;
+//! `KEYGATE_BENCH_PROFILE=partition|key` runs only keygate's delivery with
+//! an instant receiver in that ordering, for a profiler).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -34,6 +45,11 @@ struct Sink {
     last_by_key: Arc<Mutex<HashMap<String, u64>>>,
     reorders: Arc<AtomicU64>,
     arrivals: Arc<Mutex<Vec<Instant>>>,
+    /// A key answered 500 every time.
+    poison: Option<String>,
+    /// Keys whose arrivals are also kept apart (a poison key's neighbours).
+    watched: Arc<std::collections::HashSet<String>>,
+    watched_arrivals: Arc<Mutex<Vec<Instant>>>,
 }
 
 impl Sink {
@@ -44,6 +60,9 @@ impl Sink {
             last_by_key: Arc::default(),
             reorders: Arc::default(),
             arrivals: Arc::default(),
+            poison: None,
+            watched: Arc::default(),
+            watched_arrivals: Arc::default(),
         }
     }
 
@@ -56,6 +75,12 @@ impl Sink {
                     let _ = tokio::task::spawn_blocking(move || std::thread::sleep(work)).await;
                 }
                 let key = headers.get("keygate-key").and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned();
+                if sink.poison.as_deref() == Some(key.as_str()) {
+                    return (axum::http::StatusCode::INTERNAL_SERVER_ERROR, "poison");
+                }
+                if sink.watched.contains(&key) {
+                    sink.watched_arrivals.lock().unwrap().push(Instant::now());
+                }
                 let seq: u64 = headers
                     .get("keygate-stream-seq")
                     .and_then(|v| v.to_str().ok())
@@ -71,7 +96,7 @@ impl Sink {
                 }
                 sink.arrivals.lock().unwrap().push(Instant::now());
                 sink.done.fetch_add(1, Ordering::Relaxed);
-                "ok"
+                (axum::http::StatusCode::OK, "ok")
             }
         });
         let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
@@ -97,7 +122,33 @@ impl Sink {
     }
 }
 
-async fn fill(js: &jetstream::Context, name: &str, n: u64) {
+/// Keys of `n` messages: 1,000 keys drawn uniformly or Zipf-like (s = 1,
+/// so the busiest key has about 13% of the messages), seeded.
+fn key_sequence(n: u64, zipf: bool) -> Vec<u64> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    if !zipf {
+        return (0..n).map(|i| i % KEYS).collect();
+    }
+    let weights: Vec<f64> = (1..=KEYS).map(|k| 1.0 / k as f64).collect();
+    let total: f64 = weights.iter().sum();
+    let mut cdf = Vec::with_capacity(weights.len());
+    let mut sum = 0.0;
+    for w in weights {
+        sum += w / total;
+        cdf.push(sum);
+    }
+    (0..n)
+        .map(|_| {
+            let draw = rng.random::<f64>();
+            cdf.partition_point(|c| *c < draw).min(KEYS as usize - 1) as u64
+        })
+        .collect()
+}
+
+/// A partition-stamped stream `name` holding one message per entry of
+/// `keys` (key `k<entry>`).
+async fn fill(js: &jetstream::Context, name: &str, keys: &[u64]) {
     let _ = js.delete_stream(name).await;
     let subject = format!("{}.*", name.to_lowercase());
     js.create_stream(stream::Config {
@@ -111,15 +162,18 @@ async fn fill(js: &jetstream::Context, name: &str, n: u64) {
     })
     .await
     .unwrap();
-    let mut acks = Vec::new();
-    for i in 0..n {
-        let subject = format!("{}.k{}", name.to_lowercase(), i % KEYS);
-        let mut headers = async_nats::HeaderMap::new();
-        headers.insert("Content-Type", "application/json");
-        acks.push(js.publish_with_headers(subject, headers, Bytes::from(format!("{{\"n\":{i}}}"))).await.unwrap());
-    }
-    for ack in acks {
-        ack.await.unwrap();
+    for (chunk_at, chunk) in keys.chunks(10_000).enumerate() {
+        let mut acks = Vec::with_capacity(chunk.len());
+        for (i, key) in chunk.iter().enumerate() {
+            let subject = format!("{}.k{key}", name.to_lowercase());
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert("Content-Type", "application/json");
+            let n = chunk_at * 10_000 + i;
+            acks.push(js.publish_with_headers(subject, headers, Bytes::from(format!("{{\"n\":{n}}}"))).await.unwrap());
+        }
+        for ack in acks {
+            ack.await.unwrap();
+        }
     }
 }
 
@@ -128,52 +182,83 @@ async fn fill(js: &jetstream::Context, name: &str, n: u64) {
 /// the consumer filters on `<p>.>` for each partition, as a pcgroups member
 /// owning every partition does (the server's multi-filter delivery is the
 /// cost both then pay); without, it takes the stream unfiltered.
-async fn raw_ordered(js: &jetstream::Context, url: &str, sink: &Sink, n: u64, member_filters: bool) -> f64 {
-    fill(js, "RAW", n).await;
+async fn raw_ordered(js: &jetstream::Context, url: &str, sink: &Sink, keys: &[u64], member_filters: bool) -> f64 {
+    let n = keys.len() as u64;
+    fill(js, "RAW", keys).await;
     sink.done.store(0, Ordering::Relaxed);
     let consumer = support::baseline_consumer(js, "RAW", PARTITIONS, member_filters).await;
     let (http, url) = (reqwest::Client::new(), url.to_owned());
-    let pump = support::serial_lanes(consumer, PARTITIONS, move |message: jetstream::Message| {
-        let (http, url) = (http.clone(), url.clone());
-        async move {
-            let seq = message.info().unwrap().stream_sequence;
-            let key = message.subject.split('.').nth(2).unwrap_or_default().to_owned();
-            let r = http
-                .post(&url)
-                .header("keygate-key", key)
-                .header("keygate-stream-seq", seq.to_string())
-                .body(message.payload.clone())
-                .send()
-                .await
-                .unwrap();
-            let _ = r.bytes().await;
-            message.ack_with(AckKind::Ack).await.unwrap();
-        }
-    })
-    .await;
-    sink.wait_for(n, Duration::from_secs(300)).await;
+    let pump =
+        support::serial_lanes(consumer, PARTITIONS, move |message| raw_post(http.clone(), url.clone(), message)).await;
+    sink.wait_for(n, Duration::from_secs(600)).await;
     pump.abort();
     sink.rate()
 }
 
+/// The raw baseline's one delivery: the receiver's POST, then the ack.
+async fn raw_post(http: reqwest::Client, url: String, message: jetstream::Message) {
+    let seq = message.info().unwrap().stream_sequence;
+    let key = message.subject.split('.').nth(2).unwrap_or_default().to_owned();
+    let r = http
+        .post(&url)
+        .header("keygate-key", key)
+        .header("keygate-stream-seq", seq.to_string())
+        .body(message.payload.clone())
+        .send()
+        .await
+        .unwrap();
+    let _ = r.bytes().await;
+    message.ack_with(AckKind::Ack).await.unwrap();
+}
+
+/// The server's ceiling for a consumer with the member's 16 filters: a raw
+/// consumer that keeps `in_flight` deliveries going at once, in no order.
+async fn raw_concurrent(js: &jetstream::Context, url: &str, sink: &Sink, keys: &[u64], in_flight: usize) -> f64 {
+    use futures::StreamExt;
+    let n = keys.len() as u64;
+    fill(js, "RAWC", keys).await;
+    sink.done.store(0, Ordering::Relaxed);
+    let consumer = support::baseline_consumer(js, "RAWC", PARTITIONS, true).await;
+    let (http, url) = (reqwest::Client::new(), url.to_owned());
+    let messages = consumer.messages().await.unwrap();
+    let pump = tokio::spawn(messages.for_each_concurrent(in_flight, move |message| {
+        let (http, url) = (http.clone(), url.clone());
+        async move {
+            if let Ok(message) = message {
+                raw_post(http, url, message).await;
+            }
+        }
+    }));
+    sink.wait_for(n, Duration::from_secs(600)).await;
+    pump.abort();
+    sink.rate()
+}
+
+/// keygate delivering `keys`' messages to `url` through a group with
+/// `ordering`, its webhook registered with `webhook` options added.
 async fn keygate_ordered(
-    base: &str,
-    http: &reqwest::Client,
-    js: &jetstream::Context,
+    rig: &support::Rig,
     url: &str,
     sink: &Sink,
-    n: u64,
+    keys: &[u64],
+    ordering: &str,
+    webhook: Value,
 ) -> f64 {
-    fill(js, "KG", n).await;
+    let (base, http, js) = (&rig.base, &rig.http, &rig.js);
+    let n = keys.len() as u64;
+    fill(js, "KG", keys).await;
     sink.done.store(0, Ordering::Relaxed);
     let put = |path: &str, body: Value| http.put(format!("{base}{path}")).json(&body).send();
     let _ = http.delete(format!("{base}/v1/streams/KG/groups/g")).send().await;
-    let r =
-        put("/v1/streams/KG/groups/g", json!({"kind":"static","partitions":PARTITIONS,"members":["m"]})).await.unwrap();
+    let group = json!({"kind":"static","partitions":PARTITIONS,"members":["m"],"ordering":ordering});
+    let r = put("/v1/streams/KG/groups/g", group).await.unwrap();
     assert!(r.status().is_success(), "{}", r.text().await.unwrap());
-    let r = put("/v1/streams/KG/groups/g/members/m/webhook", json!({"url": url})).await.unwrap();
-    assert!(r.status().is_success());
-    sink.wait_for(n, Duration::from_secs(300)).await;
+    let mut hook = json!({"url": url});
+    hook.as_object_mut().unwrap().extend(webhook.as_object().unwrap().clone());
+    let r = put("/v1/streams/KG/groups/g/members/m/webhook", hook).await.unwrap();
+    assert!(r.status().is_success(), "{}", r.text().await.unwrap());
+    let poisoned = sink.poison.as_ref().map_or(0, |p| keys.iter().filter(|k| format!("k{k}") == *p).count() as u64);
+    sink.wait_for(n - poisoned, Duration::from_secs(600)).await;
     let rate = sink.rate();
     let _ = http.delete(format!("{base}/v1/streams/KG/groups/g/members/m/webhook")).send().await;
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -237,16 +322,96 @@ async fn failover(nats: &NatsEndpoint, http: &reqwest::Client, js: &jetstream::C
     (resumed.map_or(f64::NAN, |t| (t - killed).as_secs_f64()), sink.reorders.load(Ordering::Relaxed))
 }
 
+/// Rate of the poison key's partition's other keys, key ordering, 1 ms of
+/// work: with the poison key answering 500 throughout, and without it.
+async fn poison_key(rig: &support::Rig, keys: &[u64]) -> (f64, f64) {
+    let poison = "k0".to_owned();
+    let partition = keygate::partition::partition_of_tokens(["k0"], PARTITIONS);
+    let neighbours: std::collections::HashSet<String> = (1..KEYS)
+        .map(|k| format!("k{k}"))
+        .filter(|k| keygate::partition::partition_of_tokens([k.as_str()], PARTITIONS) == partition)
+        .collect();
+    let neighbours = Arc::new(neighbours);
+    let retrying = json!({"max_attempts": 1000, "backoff": {"initial_ms": 100, "max_ms": 1000}});
+    let mut rates = [0.0; 2];
+    for (i, with_poison) in [true, false].into_iter().enumerate() {
+        let mut sink = Sink::new(Duration::from_millis(1));
+        sink.poison = with_poison.then(|| poison.clone());
+        sink.watched = neighbours.clone();
+        let url = sink.clone().serve().await;
+        keygate_ordered(rig, &url, &sink, keys, "key", retrying.clone()).await;
+        let arrivals = sink.watched_arrivals.lock().unwrap();
+        let first = *sink.arrivals.lock().unwrap().first().unwrap();
+        rates[i] = arrivals.len() as f64 / (*arrivals.last().unwrap() - first).as_secs_f64();
+    }
+    (rates[0], rates[1])
+}
+
+/// A million distinct keys (one message each) through one member of a
+/// keygate process, instant receiver: its RSS before, at peak while
+/// delivering, and after draining.
+async fn distinct_keys(rig: &support::Rig, n: u64) -> (f64, f64, f64, f64) {
+    let keygate = support::KeygateProcess::for_bench(&rig.nats, Some("bench-keys"));
+    let (http, base) = (&rig.http, keygate.base.clone());
+    keygate.wait_ready(http).await;
+    let keys: Vec<u64> = (0..n).collect();
+    fill(&rig.js, "MILLION", &keys).await;
+    let group = json!({"kind":"static","partitions":PARTITIONS,"members":["m"],"ordering":"key"});
+    support::put(http, format!("{base}/v1/streams/MILLION/groups/g"), group).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = keygate.rss_mib();
+    let done = Arc::new(AtomicU64::new(0));
+    let url = {
+        let done = done.clone();
+        let app = Router::new().fallback(move || {
+            let done = done.clone();
+            async move {
+                done.fetch_add(1, Ordering::Relaxed);
+                "ok"
+            }
+        });
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
+        let url = format!("http://{}/hook", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        url
+    };
+    let started = Instant::now();
+    support::put(http, format!("{base}/v1/streams/MILLION/groups/g/members/m/webhook"), json!({"url": url})).await;
+    let mut peak = before;
+    while done.load(Ordering::Relaxed) < n {
+        assert!(started.elapsed() < Duration::from_secs(900), "only {} of {n} delivered", done.load(Ordering::Relaxed));
+        peak = peak.max(keygate.rss_mib());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let rate = n as f64 / started.elapsed().as_secs_f64();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let after = keygate.rss_mib();
+    let _ = rig.js.delete_stream("MILLION").await;
+    (before, peak, after, rate)
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let n: u64 = support::env_or("KEYGATE_BENCH_MESSAGES", 20_000);
+    let distinct: u64 = support::env_or("KEYGATE_BENCH_DISTINCT_KEYS", 1_000_000);
     let rig = support::Rig::start().await?;
-    let (base, js, http) = (rig.base.clone(), rig.js.clone(), rig.http.clone());
+    let (js, http) = (rig.js.clone(), rig.http.clone());
+    let uniform = key_sequence(n, false);
+    if let Ok(ordering) = std::env::var("KEYGATE_BENCH_PROFILE") {
+        let sink = Sink::new(Duration::ZERO);
+        let url = sink.clone().serve().await;
+        let rate = keygate_ordered(&rig, &url, &sink, &uniform, &ordering, json!({})).await;
+        println!("keygate, {ordering} ordering, instant receiver: {rate:.0} msg/s");
+        rig.stop().await;
+        return Ok(());
+    }
 
     println!(
         "keygate ordered delivery benchmark ({n} messages backlog, {PARTITIONS} partitions, {KEYS} keys, loopback; \
          rates from first to last delivery)"
     );
+    println!();
+    println!("partition ordering");
     println!("| receiver | raw, unfiltered consumer | raw, the member's filters (as pcgroups) | keygate webhook | keygate / raw same filters | keygate / raw unfiltered | target |");
     println!("|---|---|---|---|---|---|---|");
     for (label, work, target) in
@@ -257,12 +422,12 @@ async fn main() -> anyhow::Result<()> {
         for (i, filtered) in [false, true].into_iter().enumerate() {
             let raw_sink = Sink::new(work);
             let url = raw_sink.clone().serve().await;
-            raw[i] = raw_ordered(&js, &url, &raw_sink, n, filtered).await;
+            raw[i] = raw_ordered(&js, &url, &raw_sink, &uniform, filtered).await;
             reorders += raw_sink.reorders.load(Ordering::Relaxed);
         }
         let sink = Sink::new(work);
         let url = sink.clone().serve().await;
-        let kg = keygate_ordered(&base, &http, &js, &url, &sink, n).await;
+        let kg = keygate_ordered(&rig, &url, &sink, &uniform, "partition", json!({})).await;
         reorders += sink.reorders.load(Ordering::Relaxed);
         println!(
             "| {label} | {:.0} msg/s | {:.0} msg/s | {kg:.0} msg/s | {:.2}× | {:.2}× | {target} |",
@@ -273,8 +438,68 @@ async fn main() -> anyhow::Result<()> {
         );
         assert_eq!(reorders, 0, "no per-key reorder");
     }
+
+    println!();
+    println!("key ordering (max_in_flight 256, the default) against the raw partition-serial consumer with the member's filters");
+    println!("| keys | work | raw partition-serial | raw, 256 in flight, no order | keygate partition ordering | keygate key ordering | key / raw serial | key / raw 256 in flight | target |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for zipf in [false, true] {
+        for (work, target) in [(0u64, "≥ 1.2×"), (1, "≥ 3×"), (20, "≥ 10×")] {
+            // 20 ms of work one partition at a time is slow: fewer messages.
+            let count = if work == 20 { n.min(6_000) } else { n };
+            let keys = key_sequence(count, zipf);
+            let work = Duration::from_millis(work);
+            let mut reorders = 0;
+            let mut rates = Vec::new();
+            for run in 0..4 {
+                let sink = Sink::new(work);
+                let url = sink.clone().serve().await;
+                let rate = match run {
+                    0 => raw_ordered(&js, &url, &sink, &keys, true).await,
+                    1 => raw_concurrent(&js, &url, &sink, &keys, 256).await,
+                    2 => keygate_ordered(&rig, &url, &sink, &keys, "partition", json!({})).await,
+                    _ => keygate_ordered(&rig, &url, &sink, &keys, "key", json!({})).await,
+                };
+                if run != 1 {
+                    reorders += sink.reorders.load(Ordering::Relaxed);
+                }
+                rates.push(rate);
+            }
+            println!(
+                "| {} | {} ms | {:.0} msg/s | {:.0} msg/s | {:.0} msg/s | {:.0} msg/s | {:.2}× | {:.2}× | {target} |",
+                if zipf { "Zipf-like (s = 1)" } else { "uniform" },
+                work.as_millis(),
+                rates[0],
+                rates[1],
+                rates[2],
+                rates[3],
+                rates[3] / rates[0],
+                rates[3] / rates[1]
+            );
+            assert_eq!(reorders, 0, "no per-key reorder");
+        }
+    }
+
+    println!();
+    let (with_poison, without) = poison_key(&rig, &uniform).await;
+    println!("| poison key (500 on every attempt), key ordering, 1 ms of work | its partition's other keys with it | without it | ratio | target |");
+    println!("|---|---|---|---|---|");
+    println!("| | {with_poison:.0} msg/s | {without:.0} msg/s | {:.2}× | ≥ 0.90× |", with_poison / without);
+
+    if distinct > 0 {
+        println!();
+        let (before, peak, after, rate) = distinct_keys(&rig, distinct).await;
+        println!("| {distinct} distinct keys through one member (keygate process, key ordering) | RSS before | peak | after draining | peak − before | delivery | target |");
+        println!("|---|---|---|---|---|---|---|");
+        println!(
+            "| | {before:.1} MiB | {peak:.1} MiB | {after:.1} MiB | {:.1} MiB | {rate:.0} msg/s | ≤ 50 MB, back to baseline |",
+            peak - before
+        );
+    }
+
+    println!();
     let (seconds, reorders) = failover(&rig.nats, &http, &js).await;
-    println!("| failover (pinned keygate killed, pinned TTL 2 s) | | | {seconds:.2} s until deliveries resume | {reorders} reorders | | ≤ 3 s, 0 |");
+    println!("| failover (pinned keygate killed, pinned TTL 2 s) | {seconds:.2} s until deliveries resume | {reorders} reorders | ≤ 3 s, 0 |");
 
     rig.stop().await;
     Ok(())

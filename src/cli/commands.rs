@@ -40,12 +40,13 @@ impl Admin {
             return print_json(&view);
         }
         out!(
-            "{} group {}/{}: {} partitions, ack wait {} ms",
+            "{} group {}/{}: {} partitions, ack wait {} ms, ordered by {}",
             kind.as_str(),
             view.stream,
             view.group,
             view.partitions,
-            view.ack_wait_ms
+            view.ack_wait_ms,
+            view.ordering.as_str()
         );
         if let Some(filters) = &view.filters {
             out!("filters: {}", if filters.is_empty() { "(every subject)".to_owned() } else { filters.join(" ") });
@@ -106,8 +107,9 @@ impl Admin {
         }
         out!("{backlog}");
         for b in &view.blocked {
+            let key = b.key.as_ref().map(|k| format!(" key {k:?}")).unwrap_or_default();
             out!(
-                "BLOCKED partition {} (member {}): seq {} since {} after {} attempts: {}",
+                "BLOCKED partition {}{key} (member {}): seq {} since {} after {} attempts: {}",
                 b.partition,
                 b.member,
                 b.seq,
@@ -116,14 +118,18 @@ impl Admin {
                 b.last_error
             );
         }
+        if view.blocked_total > view.blocked.len() {
+            out!("… and {} more blocked", view.blocked_total - view.blocked.len());
+        }
         Ok(())
     }
 
     pub(super) async fn create(&self, stream: &str, group: &str, spec: GroupSpec) -> anyhow::Result<()> {
         let (stream, group) = names(stream, group)?;
         let kind = spec.kind;
+        let settings = GroupSettings::requested_by(&spec);
         let config = spec.into_config()?;
-        let outcome = self.groups.put(&stream, &group, config, true, GroupSettings::default()).await?;
+        let outcome = self.groups.put(&stream, &group, config, true, settings).await?;
         let view =
             crate::status::observe::observe(&self.groups, &self.nats, &stream, &group, Some(kind), false).await?;
         if self.json {

@@ -53,6 +53,14 @@ impl Ordering {
     /// What a group without a stored ordering keeps: groups made before the
     /// option existed, and groups made by Go pcgroups.
     pub const UNSTATED: Ordering = Ordering::Partition;
+
+    /// The name used in the API.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Partition => "partition",
+            Self::Key => "key",
+        }
+    }
 }
 
 /// One member and the partitions it owns, in the order given.

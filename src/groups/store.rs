@@ -8,7 +8,7 @@ use futures::TryStreamExt;
 use serde::{Deserialize, Serialize};
 
 use super::config::{config_key, go_json, validate_membership, ELASTIC_BUCKET, STATIC_BUCKET};
-use super::spec::{GroupConfig, GroupKind, Ordering};
+use super::spec::{GroupConfig, GroupKind, GroupSpec, Ordering};
 use super::view::GroupSummary;
 use crate::error::Error;
 use crate::names::{GroupName, StreamName};
@@ -31,6 +31,11 @@ pub struct GroupSettings {
 }
 
 impl GroupSettings {
+    /// What a `PUT` of `spec` asks of keygate's settings.
+    pub fn requested_by(spec: &GroupSpec) -> Self {
+        Self { ack_wait_ms: spec.ack_wait_ms, ordering: spec.ordering }
+    }
+
     /// The ordering the group keeps.
     pub fn ordering(&self) -> Ordering {
         self.ordering.unwrap_or(Ordering::UNSTATED)
@@ -229,5 +234,27 @@ pub(super) fn cas_error(what: &str, e: kv::UpdateError) -> Error {
         Error::Conflict("the group changed concurrently; read it again and retry".into())
     } else {
         unavailable_or_internal(what, e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_put_changes_only_the_settings_it_names_and_new_groups_are_key_ordered() {
+        let none = GroupSettings::default();
+        let created = GroupSettings::after_put(&none, &none, true);
+        assert_eq!(created, GroupSettings { ack_wait_ms: None, ordering: Some(Ordering::Key) });
+        let stored = GroupSettings { ack_wait_ms: Some(2000), ordering: Some(Ordering::Partition) };
+        let asked = GroupSettings { ack_wait_ms: None, ordering: Some(Ordering::Key) };
+        assert_eq!(
+            GroupSettings::after_put(&stored, &asked, false),
+            GroupSettings { ack_wait_ms: Some(2000), ordering: Some(Ordering::Key) }
+        );
+        assert_eq!(GroupSettings::after_put(&stored, &none, false), stored, "left out, kept");
+        assert_eq!(none.ordering(), Ordering::Partition, "stored without one: pcgroups' order");
+        let recreated = GroupSettings::after_put(&stored, &none, true);
+        assert_eq!(recreated.ordering, Some(Ordering::Key), "a group created again starts afresh");
     }
 }

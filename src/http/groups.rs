@@ -67,7 +67,7 @@ pub async fn put_group(
     Json(spec): Json<GroupSpec>,
 ) -> Result<(StatusCode, Json<GroupView>), ApiError> {
     let membership_given = spec.members.is_some() || spec.mappings.is_some();
-    let settings = GroupSettings { ack_wait_ms: spec.ack_wait_ms, ordering: spec.ordering };
+    let settings = GroupSettings::requested_by(&spec);
     let kind = spec.kind;
     let config = spec.into_config()?;
     let outcome = state.groups.put(&stream, &group, config, membership_given, settings).await?;

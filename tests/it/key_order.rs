@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::support::receiver::{assert_key_order, Answer, Receiver, Recorded};
+use crate::support::receiver::{assert_key_order, assert_key_order_except, Answer, Receiver, Recorded};
 use crate::support::ws::{member_url, WsClient};
 use crate::support::{eventually, TestApp};
 
@@ -89,18 +89,26 @@ async fn new_groups_are_ordered_by_key_and_a_stored_ordering_is_kept() {
 async fn a_retrying_key_holds_back_only_its_own_messages_and_its_neighbours_overtake_it() {
     let app = TestApp::start().await;
     one_partition(&app, json!({})).await;
-    // Key "slow" answers 503 with Retry-After: 1 twice for its first message.
+    // The first message of three keys fails at first, three ways: 503 with
+    // Retry-After (twice), a NAK with delay, a timeout.
     let receiver = Receiver::start(|r, earlier| match (r.key().as_str(), r.body.as_slice(), earlier) {
         ("slow", br#"{"n":0}"#, 0 | 1) => Answer::status(503).header("Retry-After", "1"),
+        ("naked", br#"{"n":0}"#, 0) => Answer::ok().header("keygate-ack", "nak; delay=700ms"),
+        ("late", br#"{"n":0}"#, 0) => Answer::ok().after(Duration::from_millis(1500)),
         _ => Answer::ok(),
     })
     .await;
-    hook(&app, &receiver, json!({})).await;
-    let published = publish(&app, &["slow", "a", "b", "c"], 10).await;
+    hook(&app, &receiver, json!({"timeout_ms": 500})).await;
+    let published = publish(&app, &["slow", "naked", "late", "a", "b", "c"], 10).await;
     let requests = all_acked(&receiver, published.values().flatten().copied()).await;
-    assert_key_order(&requests, &published, &[]);
-    let slow_first: Vec<&Recorded> = requests.iter().filter(|r| r.seq() == published["slow"][0]).collect();
+    assert_key_order_except(&requests, &published, &[], &["late".to_owned()]);
+    let attempts = |key: &str| -> Vec<&Recorded> { requests.iter().filter(|r| r.seq() == published[key][0]).collect() };
+    let slow_first = attempts("slow");
     assert_eq!(slow_first.iter().map(|r| r.attempt()).collect::<Vec<_>>(), vec![1, 2, 3]);
+    assert!(slow_first[1].at - slow_first[0].at >= Duration::from_millis(900), "Retry-After honoured");
+    let naked = attempts("naked");
+    assert!(naked[1].at - naked[0].at >= Duration::from_millis(600), "the NAK's delay honoured");
+    assert!(attempts("late").len() >= 2, "a timeout is retried");
     let slow_done = slow_first.last().unwrap().at;
     for key in ["a", "b", "c"] {
         let last = requests.iter().filter(|r| r.key() == key && r.ok()).map(|r| r.at).max().unwrap();
@@ -165,6 +173,8 @@ async fn blocked_keys_are_listed_and_skip_and_retry_now_take_a_key() {
     let mut keys: Vec<&str> = view["blocked"].as_array().unwrap().iter().map(|b| b["key"].as_str().unwrap()).collect();
     keys.sort_unstable();
     assert_eq!(keys, vec![stuck, "other"], "{view}");
+    assert_eq!(app.metric("keygate_blocked_keys").await, 2.0, "counted, never labelled by key");
+    assert_eq!(app.metric("keygate_blocked_partitions").await, 0.0);
 
     let (status, problem) = app.post("/v1/streams/K/groups/g/partitions/0/skip", json!({})).await;
     assert_eq!(status, 409, "two keys are blocked and none was named: {problem}");
