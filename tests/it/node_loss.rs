@@ -409,6 +409,68 @@ async fn deliveries_lost_with_the_connection_reach_the_endpoint_first_when_they_
     app.assert_no_acks_without_verdict().await;
 }
 
+/// The same path for a WebSocket member, which shares the session's intake
+/// and lanes: deliveries lost with keygate's NATS connection reach the
+/// client before the newer messages of their key, and nothing is acked
+/// that the client did not ack.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_websocket_member_gets_deliveries_lost_with_the_connection_first_when_they_come_back() {
+    use crate::support::proxy::CuttableProxy;
+    use crate::support::ws::{member_url, WsClient};
+    use crate::support::{NatsServer, TestApp};
+
+    let server = NatsServer::start();
+    let proxy = CuttableProxy::start(format!("127.0.0.1:{}", server.url().rsplit(':').next().unwrap())).await;
+    let app = TestApp::start_through(server, proxy.url()).await;
+    app.create_stream("LOSS", json!({"subjects":["loss.*"],"partitions":1})).await;
+    let group = json!({"kind":"static","partitions":1,"members":["m1"],"ack_wait_ms":8000});
+    assert_eq!(app.put("/v1/streams/LOSS/groups/g", group).await.0, 201);
+    let mut client = WsClient::connect(&member_url(&app.base, "LOSS", "g", "m1", "")).await;
+    client.next_of("assigned", Duration::from_secs(10)).await;
+    let js = app.js.clone();
+    let publish = |i: u64| {
+        let js = js.clone();
+        async move {
+            let ack = js.publish("loss.k", serde_json::to_vec(&json!({"i": i})).unwrap().into()).await.unwrap();
+            ack.await.unwrap().sequence
+        }
+    };
+    let mut published = Vec::new();
+    for i in 0..3 {
+        published.push(publish(i).await);
+    }
+    let mut firsts = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    let mut take = async |client: &mut WsClient, firsts: &mut Vec<u64>, until: usize| {
+        while seen.len() < until {
+            let message = client.next_of("message", Duration::from_secs(30)).await;
+            let seq = message["stream_seq"].as_u64().unwrap();
+            if seen.insert(seq) {
+                firsts.push(seq);
+            }
+            client.ack(&message["id"]).await;
+        }
+    };
+    take(&mut client, &mut firsts, 3).await;
+    proxy.hold_server_bytes();
+    let mut lost = Vec::new();
+    for i in 3..6 {
+        lost.push(publish(i).await);
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    proxy.cut();
+    let mut newer = Vec::new();
+    for i in 6..9 {
+        newer.push(publish(i).await);
+    }
+    published.extend(&lost);
+    published.extend(&newer);
+    take(&mut client, &mut firsts, published.len()).await;
+    assert_eq!(firsts, published, "first deliveries in stream order (lost: {lost:?}, newer: {newer:?})");
+    assert!(app.metric("keygate_delivery_gaps_total").await >= 1.0, "the jump in delivery sequence was seen");
+    app.assert_no_acks_without_verdict().await;
+}
+
 /// A batch stores each key's messages in request order even when the
 /// stream's leader is killed in the middle of it: after one item of a key
 /// fails, no later item of that key in the batch is stored before it. Read
