@@ -44,7 +44,8 @@ async fn the_standby_takes_over_in_order_when_the_pinned_keygate_is_killed() {
     let http = http_client();
     let mut first = KeygateProcess::start(&server.url(), "keygate-a");
     first.wait_ready(&http).await;
-    // The receiver takes a while per message, so deliveries are in flight at the kill.
+    // The receiver takes a while per message, so deliveries are in flight at
+    // the kill: under key ordering, many of them at once, one per key.
     let receiver = Receiver::start(|_, _| Answer::ok().after(Duration::from_millis(15))).await;
     let admin = TestApp::start_on(server.url()).await;
     // Configure through the first keygate's API; it is the only instance for now.
@@ -54,7 +55,7 @@ async fn the_standby_takes_over_in_order_when_the_pinned_keygate_is_killed() {
         put(api("/v1/streams/ORDERS"), json!({"subjects":["orders.*"],"partitions":8})).await.unwrap().status(),
         201
     );
-    let group = json!({"kind":"static","partitions":8,"members":["m1"],"ack_wait_ms":2000});
+    let group = json!({"kind":"static","partitions":8,"members":["m1"],"ack_wait_ms":2000,"ordering":"key"});
     assert_eq!(put(api("/v1/streams/ORDERS/groups/g"), group).await.unwrap().status(), 201);
     let hook = json!({"url": receiver.url("/hook")});
     assert_eq!(put(api("/v1/streams/ORDERS/groups/g/members/m1/webhook"), hook).await.unwrap().status(), 201);
@@ -98,7 +99,7 @@ async fn elastic_members_added_and_dropped_while_messages_flow_lose_nothing() {
     let app = TestApp::start().await;
     let receiver = Receiver::start(|_, _| Answer::ok().after(Duration::from_millis(2))).await;
     app.create_stream("EV", json!({"subjects":["ev.*"]})).await;
-    let group = json!({"kind":"elastic","partitions":8,"partitioning_filters":[{"filter":"ev.*","wildcards":[1]}],"members":["a"],"ack_wait_ms":2000});
+    let group = json!({"kind":"elastic","partitions":8,"partitioning_filters":[{"filter":"ev.*","wildcards":[1]}],"members":["a"],"ack_wait_ms":2000,"ordering":"key"});
     let (status, _) = app.put("/v1/streams/EV/groups/g", group).await;
     assert_eq!(status, 201);
     let register = |member: &'static str| {
