@@ -335,6 +335,30 @@ async fn nothing_acknowledged_is_lost_when_nats_nodes_and_replicas_are_killed_un
     }
 }
 
+/// keygate reaching its nats-server through a proxy that can hold back and
+/// cut what the server sends; a one-partition stream `LOSS` and a static
+/// group `g` of `m1`.
+async fn behind_a_cuttable_proxy() -> (crate::support::TestApp, crate::support::proxy::CuttableProxy) {
+    use crate::support::proxy::CuttableProxy;
+    use crate::support::{NatsServer, TestApp};
+    let server = NatsServer::start();
+    let proxy = CuttableProxy::start(format!("127.0.0.1:{}", server.url().rsplit(':').next().unwrap())).await;
+    let app = TestApp::start_through(server, proxy.url()).await;
+    app.create_stream("LOSS", json!({"subjects":["loss.*"],"partitions":1})).await;
+    // An ack wait long enough that the newer messages are pulled (after the
+    // open pulls expire, at half of it) well before the lost ones return.
+    let group = json!({"kind":"static","partitions":1,"members":["m1"],"ack_wait_ms":8000});
+    assert_eq!(app.put("/v1/streams/LOSS/groups/g", group).await.0, 201);
+    (app, proxy)
+}
+
+/// Publishes `{"i": i}` on key `k` of `LOSS` (straight to the server, past
+/// the proxy); its stream sequence.
+async fn publish_loss(app: &crate::support::TestApp, i: u64) -> u64 {
+    let ack = app.js.publish("loss.k", serde_json::to_vec(&json!({"i": i})).unwrap().into()).await.unwrap();
+    ack.await.unwrap().sequence
+}
+
 /// The exact path that lost messages, on one server and on cue: the server
 /// sends messages to the pinned instance's open pulls, counts them as
 /// delivered, and the bytes die with the connection (a proxy holds them
@@ -345,29 +369,11 @@ async fn nothing_acknowledged_is_lost_when_nats_nodes_and_replicas_are_killed_un
 /// redeliveries of settled messages and acked unseen.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deliveries_lost_with_the_connection_reach_the_endpoint_first_when_they_come_back() {
-    use crate::support::proxy::CuttableProxy;
-    use crate::support::{NatsServer, TestApp};
-
-    let server = NatsServer::start();
-    let proxy = CuttableProxy::start(format!("127.0.0.1:{}", server.url().rsplit(':').next().unwrap())).await;
-    let app = TestApp::start_through(server, proxy.url()).await;
-    app.create_stream("LOSS", json!({"subjects":["loss.*"],"partitions":1})).await;
-    // An ack wait long enough that the newer messages are pulled (after the
-    // open pulls expire, at half of it) well before the lost ones return.
-    let group = json!({"kind":"static","partitions":1,"members":["m1"],"ack_wait_ms":8000});
-    assert_eq!(app.put("/v1/streams/LOSS/groups/g", group).await.0, 201);
+    let (app, proxy) = behind_a_cuttable_proxy().await;
     let receiver = Receiver::start(|_, _| Answer::ok()).await;
     let hook = json!({"url": receiver.url("/m1")});
     assert_eq!(app.put("/v1/streams/LOSS/groups/g/members/m1/webhook", hook).await.0, 201);
-
-    let js = app.js.clone();
-    let publish = |i: u64| {
-        let js = js.clone();
-        async move {
-            let ack = js.publish("loss.k", serde_json::to_vec(&json!({"i": i})).unwrap().into()).await.unwrap();
-            ack.await.unwrap().sequence
-        }
-    };
+    let publish = |i: u64| publish_loss(&app, i);
     let mut published = Vec::new();
     for i in 0..5 {
         published.push(publish(i).await);
@@ -415,26 +421,12 @@ async fn deliveries_lost_with_the_connection_reach_the_endpoint_first_when_they_
 /// that the client did not ack.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_websocket_member_gets_deliveries_lost_with_the_connection_first_when_they_come_back() {
-    use crate::support::proxy::CuttableProxy;
     use crate::support::ws::{member_url, WsClient};
-    use crate::support::{NatsServer, TestApp};
 
-    let server = NatsServer::start();
-    let proxy = CuttableProxy::start(format!("127.0.0.1:{}", server.url().rsplit(':').next().unwrap())).await;
-    let app = TestApp::start_through(server, proxy.url()).await;
-    app.create_stream("LOSS", json!({"subjects":["loss.*"],"partitions":1})).await;
-    let group = json!({"kind":"static","partitions":1,"members":["m1"],"ack_wait_ms":8000});
-    assert_eq!(app.put("/v1/streams/LOSS/groups/g", group).await.0, 201);
+    let (app, proxy) = behind_a_cuttable_proxy().await;
     let mut client = WsClient::connect(&member_url(&app.base, "LOSS", "g", "m1", "")).await;
     client.next_of("assigned", Duration::from_secs(10)).await;
-    let js = app.js.clone();
-    let publish = |i: u64| {
-        let js = js.clone();
-        async move {
-            let ack = js.publish("loss.k", serde_json::to_vec(&json!({"i": i})).unwrap().into()).await.unwrap();
-            ack.await.unwrap().sequence
-        }
-    };
+    let publish = |i: u64| publish_loss(&app, i);
     let mut published = Vec::new();
     for i in 0..3 {
         published.push(publish(i).await);
