@@ -71,6 +71,7 @@ fn underneath(source: &(dyn std::error::Error + 'static)) -> Option<(Option<jets
     read_as!(
         async_nats::RequestError,
         context::RequestError,
+        context::PublishError,
         context::GetStreamError,
         context::CreateStreamError,
         context::ConsumerInfoError,
@@ -124,7 +125,10 @@ kind_class! { async_nats::client::SubscribeErrorKind }
 kind_class! { async_nats::client::FlushErrorKind }
 kind_class! { async_nats::client::PublishErrorKind }
 kind_class! { JsRequest, unanswered: [JsRequest::TimedOut, JsRequest::NoResponders] }
-kind_class! { JsPublish, unanswered: [JsPublish::TimedOut, JsPublish::BrokenPipe], missing: [JsPublish::StreamNotFound] }
+// "No stream found" is the server's no-responders answer to a publish:
+// nothing stores the subject now, which is also what a KV bucket's stream
+// says while it elects a leader right after it was created.
+kind_class! { JsPublish, unanswered: [JsPublish::TimedOut, JsPublish::BrokenPipe, JsPublish::StreamNotFound], missing: [JsPublish::StreamNotFound] }
 kind_class! { Account, jetstream: Account::JetStream, unanswered: [Account::TimedOut, Account::JetStreamUnavailable] }
 kind_class! { ConsumerInfo, jetstream: ConsumerInfo::JetStream, unanswered: [ConsumerInfo::TimedOut, ConsumerInfo::NoResponders, ConsumerInfo::Offline], missing: [ConsumerInfo::NotFound, ConsumerInfo::StreamNotFound] }
 kind_class! { CreateStream, jetstream: CreateStream::JetStream, unanswered: [CreateStream::TimedOut, CreateStream::JetStreamUnavailable], missing: [CreateStream::NotFound] }
@@ -247,5 +251,12 @@ mod tests {
         let refused = DirectGet::ErrorResponse(async_nats::StatusCode::REQUEST_TERMINATED, "terminated".into());
         let entry = kv::EntryError::with_source(kv::EntryErrorKind::Other, stream::DirectGetError::new(refused));
         assert!(!is_transient(&entry));
+    }
+
+    #[test]
+    fn a_kv_write_nobody_stored_is_transient() {
+        let unstored = context::PublishError::new(JsPublish::StreamNotFound);
+        let put = kv::PutError::with_source(kv::PutErrorKind::Ack, unstored);
+        assert!(is_transient(&put), "a bucket electing its leader answers no stream found");
     }
 }
