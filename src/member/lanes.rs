@@ -365,6 +365,21 @@ impl<M: Clone> Lanes<M> {
         self.lanes.values().map(|l| l.awaiting.len()).sum()
     }
 
+    /// The newest stream sequence held, in flight or awaited (0: none).
+    pub fn highest(&self) -> u64 {
+        self.lanes
+            .values()
+            .filter_map(|l| {
+                [l.held.keys().next_back(), l.in_flight.as_ref().map(|(s, _)| s), l.awaiting.keys().next_back()]
+                    .into_iter()
+                    .flatten()
+                    .max()
+                    .copied()
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Messages in flight now.
     pub fn in_flight(&self) -> usize {
         self.in_flight
@@ -652,6 +667,22 @@ mod tests {
         assert_eq!(lanes.awaiting(), 0);
         assert!(lanes.blocked().is_empty());
         assert!(lanes.dispatch().is_empty());
+    }
+
+    #[test]
+    fn the_highest_sequence_counts_held_in_flight_and_awaited_messages() {
+        let mut lanes = Lanes::default();
+        assert_eq!(lanes.highest(), 0);
+        lanes.offer(k(0, "a"), 5, 5);
+        lanes.offer(k(1, "b"), 9, 9);
+        lanes.offer(k(1, "b"), 12, 12);
+        assert_eq!(lanes.highest(), 12);
+        for d in lanes.dispatch() {
+            lanes.settle(&d.lane, d.seq, naked());
+        }
+        assert_eq!(lanes.highest(), 12, "9 awaited, 12 held");
+        lanes.release_held();
+        assert_eq!(lanes.highest(), 0);
     }
 
     #[test]

@@ -84,9 +84,9 @@ impl Session {
                 return;
             }
         }
-        let (barrier, ours) = {
+        let (barrier, ours, highest) = {
             let state = self.shared.lock();
-            (state.lanes.barrier(), state.lanes.holding() + state.lanes.awaiting())
+            (state.lanes.barrier(), state.lanes.holding() + state.lanes.awaiting(), state.lanes.highest())
         };
         let barrier = self.pin.is_pinned() && barrier;
         // A standby only waits: the pin comes to it through its pulls.
@@ -98,7 +98,14 @@ impl Session {
         let Ok(handle) = self.ctx().js.get_stream_no_info(&self.joined.stream_name).await else { return };
         let Ok(info) = handle.consumer_info(&self.joined.consumer).await else { return };
         if barrier {
-            if info.num_ack_pending <= ours {
+            // Every message the consumer counts as delivered and un-acked is
+            // ours, and it has delivered at least up to the newest one we
+            // hold. The second half matters after a consumer leader change:
+            // a new leader whose state lags forgets deliveries (renumbering
+            // from a lower consumer sequence), so messages that went to a
+            // lost pull are neither ack-pending nor here, but still due
+            // before ours; they come when its delivery catches up.
+            if info.num_ack_pending <= ours && info.delivered.stream_sequence >= highest {
                 self.shared.lock().lanes.set_barrier(false);
             }
             return;
