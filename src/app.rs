@@ -36,6 +36,8 @@ pub struct AppState {
     /// Consumer subscribers' webhooks.
     pub consumer_webhooks: WebhookStore,
     pub events: EventBus,
+    /// The dead-letter stream, browsed and redriven through the API.
+    pub dead_letters: crate::dead_letters::Archive,
     /// What member instances share (set once keygate is connected).
     pub instances: Option<Arc<InstanceContext>>,
     /// WebSocket member connections, awaited at shutdown.
@@ -66,6 +68,7 @@ impl AppState {
             webhooks: WebhookStore::new(js.clone(), policy.clone()),
             consumer_webhooks: WebhookStore::for_consumers(js.clone(), policy),
             events: EventBus::new(nats.clone()),
+            dead_letters: crate::dead_letters::Archive::new(js.clone()),
             verifier: verifier.map(Arc::new),
             instances: None,
             connections: tokio_util::task::TaskTracker::new(),

@@ -5,6 +5,7 @@ pub mod app;
 pub mod auth;
 pub mod cli;
 pub mod consumers;
+pub mod dead_letters;
 pub mod delivery;
 pub mod error;
 pub mod events;

@@ -25,6 +25,9 @@ pub const ACKS_WITHOUT_VERDICT: &str = "keygate_acks_without_verdict_total";
 pub const DELIVERY_GAPS: &str = "keygate_delivery_gaps_total";
 /// Messages copied to the dead-letter stream.
 pub const DEAD_LETTERS: &str = "keygate_dead_letters_total";
+/// Dead letters published again to their stream (a repeated redrive of
+/// one letter is not counted).
+pub const REDRIVEN: &str = "keygate_dead_letters_redriven_total";
 /// Pins gained and lost by this keygate's member instances.
 pub const PIN_CHANGES: &str = "keygate_pin_changes_total";
 /// Member instances this keygate runs.

@@ -20,6 +20,9 @@ pub enum Requirement {
     /// separate verb, so a grant for group `billing` never reaches a plain
     /// consumer that happens to share its name.
     Subscribe { stream: String, consumer: String },
+    /// Any `consume:` or `subscribe:` grant (or admin): routes whose
+    /// handler then checks each object's own scope (dead letters).
+    SomeConsumption,
 }
 
 impl Requirement {
@@ -33,6 +36,7 @@ impl Requirement {
             Self::Consume { stream: Some(stream), group: None } => Some(format!("consume:{stream}/*")),
             Self::Consume { stream: Some(stream), group: Some(group) } => Some(format!("consume:{stream}/{group}")),
             Self::Subscribe { stream, consumer } => Some(format!("subscribe:{stream}/{consumer}")),
+            Self::SomeConsumption => Some("consume:<stream>/<group> or subscribe:<stream>/<consumer>".to_owned()),
         }
     }
 }
@@ -58,6 +62,11 @@ impl Scopes {
 
     /// Whether these scopes grant `requirement`. `keygate:admin` grants everything.
     pub fn allows(&self, requirement: &Requirement) -> bool {
+        if *requirement == Requirement::SomeConsumption {
+            return self.0.iter().any(|granted| {
+                covers(granted, ADMIN) || ["consume:", "subscribe:"].iter().any(|verb| grants_some_of(granted, verb))
+            });
+        }
         let Some(needed) = requirement.scope() else { return true };
         self.0.iter().any(|granted| covers(granted, ADMIN) || covers(granted, &needed))
     }
@@ -69,6 +78,14 @@ fn covers(granted: &str, needed: &str) -> bool {
     match granted.strip_suffix('*') {
         Some(prefix) => needed.starts_with(prefix),
         None => granted == needed,
+    }
+}
+
+/// Whether `granted` grants anything of the scopes starting with `verb`.
+fn grants_some_of(granted: &str, verb: &str) -> bool {
+    match granted.strip_suffix('*') {
+        Some(prefix) => verb.starts_with(prefix) || prefix.starts_with(verb),
+        None => granted.starts_with(verb) && granted.len() > verb.len(),
     }
 }
 
@@ -103,6 +120,17 @@ mod tests {
         assert!(scopes("subscribe:S/billing").allows(&plain));
         assert!(scopes("subscribe:S/*").allows(&plain));
         assert!(!scopes("subscribe:S/billing").allows(&consume(Some("S"), Some("billing"))));
+    }
+
+    #[test]
+    fn some_consumption_is_any_consume_or_subscribe_grant() {
+        let some = Requirement::SomeConsumption;
+        for granted in ["consume:S/g", "subscribe:S/c", "consume:S/*", "consume:*", "c*", "*", "keygate:admin"] {
+            assert!(scopes(granted).allows(&some), "{granted}");
+        }
+        for granted in ["publish:*", "publish:S", "consume:", "consumer:x", "p*"] {
+            assert!(!scopes(granted).allows(&some), "{granted}");
+        }
     }
 
     #[test]

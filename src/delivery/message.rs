@@ -86,6 +86,11 @@ pub fn forwardable(name: &str) -> bool {
         "keep-alive",
         "proxy-connection",
     ];
+    // A redrive's mark is keygate's alone (publishers may not set it), and
+    // it is for the endpoint to see.
+    if lower == crate::publish::REDRIVEN_FROM {
+        return true;
+    }
     !(lower.starts_with("nats-")
         || lower.starts_with("keygate-")
         || lower.starts_with("webhook-")

@@ -1,7 +1,7 @@
 //! Where messages go: webhooks (signing, verdicts, the hardened client,
-//! destination policy), WebSocket connections, and the dead-letter stream.
+//! destination policy), and WebSocket connections (the dead-letter stream is
+//! `crate::dead_letters`).
 
-pub mod dead_letter;
 pub mod destination;
 pub mod endpoint;
 pub mod frames;
@@ -25,6 +25,24 @@ pub fn header_safe(value: &str) -> String {
     out
 }
 
+/// The value [`header_safe`] was made from; `None` when `escaped` is not
+/// one of its answers.
+pub fn header_unescaped(escaped: &str) -> Option<String> {
+    let mut bytes = Vec::with_capacity(escaped.len());
+    let mut rest = escaped.as_bytes();
+    while let Some((&byte, tail)) = rest.split_first() {
+        if byte == b'%' {
+            let hex = std::str::from_utf8(tail.get(..2)?).ok()?;
+            bytes.push(u8::from_str_radix(hex, 16).ok()?);
+            rest = &tail[2..];
+        } else {
+            bytes.push(byte);
+            rest = tail;
+        }
+    }
+    String::from_utf8(bytes).ok()
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -32,5 +50,15 @@ mod tests {
         assert_eq!(super::header_safe("alice"), "alice");
         assert_eq!(super::header_safe("a b%"), "a%20b%25");
         assert_eq!(super::header_safe("ключ"), "%D0%BA%D0%BB%D1%8E%D1%87");
+    }
+
+    #[test]
+    fn escaped_header_values_come_back_whole() {
+        for value in ["alice", "a b%", "ключ", "", "%%41", "tab\there"] {
+            assert_eq!(super::header_unescaped(&super::header_safe(value)).as_deref(), Some(value));
+        }
+        assert_eq!(super::header_unescaped("%4"), None);
+        assert_eq!(super::header_unescaped("%ZZ"), None);
+        assert_eq!(super::header_unescaped("%FF"), None, "not UTF-8");
     }
 }

@@ -35,17 +35,24 @@ pub enum Access {
     ConsumeQueryGroup,
     /// `subscribe:{stream}/{consumer}` from the path (a plain consumer's WebSocket subscriber).
     SubscribePathConsumer,
+    /// Some `consume:` or `subscribe:` grant; the handler checks each dead
+    /// letter's own group or consumer.
+    DeadLetterOwner,
 }
 
 impl Access {
-    /// The scope as documented, with the request's names as placeholders.
-    fn documented_scope(self) -> Option<&'static str> {
+    /// The scopes as documented, any one of which admits the caller, with
+    /// the request's names as placeholders.
+    fn documented_scopes(self) -> &'static [&'static str] {
         match self {
-            Self::Open => None,
-            Self::Admin => Some(crate::auth::scopes::ADMIN),
-            Self::PublishPathStream => Some("publish:{stream}"),
-            Self::ConsumePathGroup | Self::ConsumeQueryGroup => Some("consume:{stream}/{group}"),
-            Self::SubscribePathConsumer => Some("subscribe:{stream}/{consumer}"),
+            Self::Open => &[],
+            Self::Admin => &[crate::auth::scopes::ADMIN],
+            Self::PublishPathStream => &["publish:{stream}"],
+            Self::ConsumePathGroup | Self::ConsumeQueryGroup => &["consume:{stream}/{group}"],
+            Self::SubscribePathConsumer => &["subscribe:{stream}/{consumer}"],
+            Self::DeadLetterOwner => {
+                &[crate::auth::scopes::ADMIN, "consume:{stream}/{group}", "subscribe:{stream}/{consumer}"]
+            }
         }
     }
 
@@ -69,6 +76,9 @@ pub fn access_for(method: &Method, template: &str) -> Access {
     }
     if *method == Method::GET && template.ends_with("/subscribers/{subscriber}/ws") {
         return Access::SubscribePathConsumer;
+    }
+    if template == "/v1/dead-letters" || template.starts_with("/v1/dead-letters/") {
+        return Access::DeadLetterOwner;
     }
     if *method == Method::POST
         && (template == "/v1/streams/{stream}/messages" || template == "/v1/streams/{stream}/messages/batch")
@@ -138,6 +148,7 @@ fn requirement(
     Ok(match access {
         Access::Open => Requirement::Open,
         Access::Admin => Requirement::Admin,
+        Access::DeadLetterOwner => Requirement::SomeConsumption,
         Access::PublishPathStream => Requirement::Publish {
             stream: stream(path_param("stream"))?
                 .ok_or_else(|| ApiError::BadRequest("no stream in the path".into()))?,
@@ -187,7 +198,7 @@ pub fn document_security(doc: &mut OpenApi) {
                 .description(Some(
                     "A JWT whose `scope` (space-separated) or `scopes` (array) claim grants: `keygate:admin` \
                      (everything), `publish:<stream>`, `consume:<stream>/<group>` (a group's members and events), \
-                     `subscribe:<stream>/<consumer>` (a plain consumer's subscribers); a trailing `*` is a wildcard \
+                     `subscribe:<stream>/<consumer>` (a plain consumer's subscribers; the dead letters of a group or consumer are open to its scope); a trailing `*` is a wildcard \
                      (`publish:*`). The events and WebSocket routes also take it as the `access_token` query \
                      parameter, or the WebSocket route as the subprotocol `bearer.<jwt>` offered beside `keygate.v1`. Required only when keygate is configured with verification keys.",
                 ))
@@ -204,8 +215,11 @@ pub fn document_security(doc: &mut OpenApi) {
         ];
         for (method, operation) in operations {
             let Some(operation) = operation.as_mut() else { continue };
-            let Some(scope) = access_for(&method, path).documented_scope() else { continue };
-            operation.security = Some(vec![SecurityRequirement::new(BEARER, [scope])]);
+            let scopes = access_for(&method, path).documented_scopes();
+            if scopes.is_empty() {
+                continue;
+            }
+            operation.security = Some(scopes.iter().map(|scope| SecurityRequirement::new(BEARER, [*scope])).collect());
             for (status, description) in [
                 ("401", "no bearer token, or one that does not verify"),
                 ("403", "the token lacks the scope this operation needs"),

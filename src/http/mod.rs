@@ -4,6 +4,7 @@
 pub mod auth;
 pub mod browser;
 pub mod consumers;
+pub mod dead_letters;
 pub mod events;
 pub mod extract;
 pub mod groups;
@@ -43,6 +44,7 @@ use crate::http::problem::ApiError;
         (name = "consumers", description = "Plain consumers with a priority-group policy"),
         (name = "webhooks", description = "Members served by webhook URLs"),
         (name = "websocket", description = "Members served over WebSocket"),
+        (name = "dead-letters", description = "Messages terminated after failing: browse, redrive, delete"),
         (name = "events", description = "Pin, assignment and verdict events"),
         (name = "health", description = "Liveness and readiness")
     )
@@ -74,6 +76,9 @@ pub fn api() -> (Router<AppState>, utoipa::openapi::OpenApi) {
         .routes(routes!(webhooks::put_webhook, webhooks::get_webhook, webhooks::delete_webhook))
         .routes(routes!(ws::join_member))
         .routes(routes!(ws::join_consumer))
+        .routes(routes!(dead_letters::list_dead_letters, dead_letters::delete_dead_letters))
+        .routes(routes!(dead_letters::get_dead_letter, dead_letters::delete_dead_letter))
+        .routes(routes!(dead_letters::redrive_dead_letters))
         .routes(routes!(events::events))
         .split_for_parts();
     auth::document_security(&mut doc);

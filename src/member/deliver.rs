@@ -9,7 +9,7 @@ use async_nats::jetstream::AckKind;
 
 use super::context::InstanceContext;
 use super::lanes::{Settled, Settlement};
-use crate::delivery::dead_letter::{self, DeadLetter};
+use crate::dead_letters::{self, DeadLetter};
 use crate::delivery::endpoint::Endpoint;
 use crate::delivery::header_safe;
 use crate::delivery::message::{forwardable, Delivered, Held};
@@ -25,7 +25,7 @@ pub enum Because<'a> {
     /// The endpoint's verdict (a 2xx, a WebSocket ack, `keygate-ack: ack`).
     EndpointAcked(&'a Judgement),
     /// The message's dead-letter copy is stored.
-    DeadLettered(&'a dead_letter::Stored),
+    DeadLettered(&'a dead_letters::Stored),
     /// This lane settled this very sequence before, and the server
     /// redelivered it: that ack or term was lost, so it is sent again.
     SettledBefore(Settlement),
@@ -189,7 +189,7 @@ pub async fn dead_letter_and_term(
     held: &Delivered,
     reason: &str,
 ) -> anyhow::Result<Vec<Event>> {
-    let stored = dead_letter::record(
+    let stored = dead_letters::record(
         &ctx.js,
         DeadLetter {
             owner: who.owner,

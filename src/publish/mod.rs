@@ -15,6 +15,11 @@ pub use prepare::{prepare, reserved_stream, reserved_stream_name, Prepared};
 
 use std::collections::BTreeMap;
 
+/// The header a redriven dead letter's message carries: the letter's id.
+/// Only keygate sets it (publishers' requests with it are refused), so an
+/// endpoint can trust it.
+pub const REDRIVEN_FROM: &str = "keygate-redriven-from";
+
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use utoipa::ToSchema;

@@ -31,6 +31,29 @@ impl Prepared {
     pub(super) fn publish(&self) -> PublishMessage {
         PublishMessage::build().headers(self.headers.clone()).payload(self.payload.clone())
     }
+
+    /// Marks the message as the redrive of dead letter `letter_id`: a
+    /// header only keygate sets (publishers' requests with it are refused).
+    pub fn redriven_from(mut self, letter_id: &str, max_payload: usize) -> Result<Self, Error> {
+        let header_bytes: usize = self
+            .headers
+            .iter()
+            .flat_map(|(n, vs)| vs.iter().map(move |v| AsRef::<str>::as_ref(n).len() + v.as_str().len() + 4))
+            .sum();
+        let size = self.payload.len()
+            + self.subject.len()
+            + header_bytes
+            + super::REDRIVEN_FROM.len()
+            + letter_id.len()
+            + 4;
+        if size > max_payload {
+            return Err(Error::TooLarge(format!(
+                "the redriven message would be {size} bytes with headers; the server accepts at most {max_payload}"
+            )));
+        }
+        self.headers.insert(super::REDRIVEN_FROM, letter_id);
+        Ok(self)
+    }
 }
 
 /// Header prefixes the server acts on (`Nats-Msg-Id`, `Nats-Expected-*`,
@@ -134,6 +157,9 @@ pub fn prepare(
         let lower = name.to_ascii_lowercase();
         if RESERVED_HEADER_PREFIXES.iter().any(|p| lower.starts_with(p)) {
             return Err(bad(format!("header {name:?} is reserved (Nats-*, KV-*); use msg_id for de-duplication")));
+        }
+        if lower == super::REDRIVEN_FROM {
+            return Err(bad(format!("header {name:?} is set by keygate when it redrives a dead letter")));
         }
         has_content_type |= name.eq_ignore_ascii_case("content-type");
         let values = match values {

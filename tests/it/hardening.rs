@@ -41,7 +41,7 @@ async fn dead_letters(app: &TestApp) -> Vec<(String, String)> {
 /// an error, so that message is not terminated without its copy.
 #[tokio::test]
 async fn a_duplicate_dead_letter_is_accepted_only_for_the_same_message() {
-    use keygate::delivery::dead_letter::{record, DeadLetter};
+    use keygate::dead_letters::{record, DeadLetter};
     use keygate::member_ref::Owner;
     let app = TestApp::start().await;
     let letter = |payload: &'static str| DeadLetter {

@@ -1,17 +1,14 @@
-//! The dead-letter stream: terminated messages are copied here, with their
-//! original payload and headers and why they failed, before they are
-//! terminated.
+//! Recording a dead letter: a terminated message is copied to the
+//! dead-letter stream, with its original payload and headers and why it
+//! failed, before it is terminated.
 
 use async_nats::jetstream::{self, stream};
 use async_nats::HeaderMap;
 use bytes::Bytes;
 
+use super::headers as h;
+use super::{DEAD_LETTER_STREAM, DEAD_LETTER_SUBJECTS};
 use crate::member_ref::Owner;
-
-/// Stream keeping dead letters.
-pub const DEAD_LETTER_STREAM: &str = "KEYGATE_DEAD_LETTERS";
-/// Its subjects: `keygate.dlq.<stream>.<group>.<member>`.
-pub const DEAD_LETTER_SUBJECTS: &str = "keygate.dlq.>";
 
 /// What to record with a dead letter.
 pub struct DeadLetter<'a> {
@@ -63,18 +60,18 @@ pub async fn record(js: &jetstream::Context, letter: DeadLetter<'_>) -> anyhow::
             }
         }
     }
-    headers.insert("keygate-stream", letter.stream);
-    headers.insert("keygate-group", letter.group);
-    headers.insert("keygate-member", letter.member);
-    headers.insert("keygate-subject", letter.subject);
-    headers.insert("keygate-partition", letter.partition.to_string().as_str());
-    headers.insert("keygate-stream-seq", letter.stream_seq.to_string().as_str());
-    headers.insert("keygate-attempts", letter.attempts.to_string().as_str());
-    headers.insert("keygate-reason", letter.reason.replace(['\r', '\n'], " ").as_str());
+    headers.insert(h::STREAM, letter.stream);
+    headers.insert(h::GROUP, letter.group);
+    headers.insert(h::MEMBER, letter.member);
+    headers.insert(h::SUBJECT, letter.subject);
+    headers.insert(h::PARTITION, letter.partition.to_string().as_str());
+    headers.insert(h::STREAM_SEQ, letter.stream_seq.to_string().as_str());
+    headers.insert(h::ATTEMPTS, letter.attempts.to_string().as_str());
+    headers.insert(h::REASON, letter.reason.replace(['\r', '\n'], " ").as_str());
     if let Some(key) = letter.key {
-        headers.insert("keygate-key", super::header_safe(key).as_str());
+        headers.insert(h::KEY, crate::delivery::header_safe(key).as_str());
     }
-    headers.insert("keygate-owner", letter.owner.as_str());
+    headers.insert(h::OWNER, letter.owner.as_str());
     let id = dead_letter_id(letter.owner, letter.stream, letter.group, letter.member, letter.stream_seq);
     headers.insert("Nats-Msg-Id", id.as_str());
     let subject = format!("keygate.dlq.{}.{}.{}", letter.stream, letter.group, letter.member);
@@ -86,7 +83,7 @@ pub async fn record(js: &jetstream::Context, letter: DeadLetter<'_>) -> anyhow::
         // tell this message apart from another one that had the same
         // sequence (its stream deleted and created again meanwhile).
         let same = header("Nats-Msg-Id").as_deref() == Some(id.as_str())
-            && header("keygate-subject").as_deref() == Some(letter.subject)
+            && header(h::SUBJECT).as_deref() == Some(letter.subject)
             && stored.payload == letter.payload;
         if !same {
             anyhow::bail!(
@@ -97,7 +94,7 @@ pub async fn record(js: &jetstream::Context, letter: DeadLetter<'_>) -> anyhow::
     Ok(Stored { id, seq: ack.sequence })
 }
 
-async fn ensure_stream(js: &jetstream::Context) -> anyhow::Result<()> {
+pub(super) async fn ensure_stream(js: &jetstream::Context) -> anyhow::Result<()> {
     if js.get_stream(DEAD_LETTER_STREAM).await.is_ok() {
         return Ok(());
     }

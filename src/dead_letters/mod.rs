@@ -1,0 +1,43 @@
+//! The dead-letter stream, `KEYGATE_DEAD_LETTERS`: terminated messages are
+//! copied there with why they failed (`record.rs`), read back as letters
+//! (`letter.rs`, pure), chosen by filters (`filter.rs`, pure), listed,
+//! fetched and deleted (`archive.rs`) and redriven to the stream they came
+//! from (`redrive.rs`). docs/operations.md describes the resource.
+
+mod archive;
+mod filter;
+mod letter;
+mod record;
+mod redrive;
+
+pub use archive::{Archive, Page, MAX_PAGE, PAGE_BYTES, SCAN_BUDGET};
+pub use filter::{Cursor, DeadLetterQuery, Filter, Selection};
+pub use letter::{DeadLetterView, Letter, Redriven};
+pub use record::{dead_letter_id, record, DeadLetter, Stored};
+pub use redrive::{redrive, RedriveOutcome};
+
+/// Stream keeping dead letters.
+pub const DEAD_LETTER_STREAM: &str = "KEYGATE_DEAD_LETTERS";
+/// Its subjects: `keygate.dlq.<stream>.<group or consumer>.<member>`.
+pub const DEAD_LETTER_SUBJECTS: &str = "keygate.dlq.>";
+/// The bucket remembering which letters were redriven, and where to.
+pub const REDRIVES_BUCKET: &str = "keygate-dead-letter-redrives";
+pub use crate::publish::REDRIVEN_FROM;
+
+/// The headers keygate adds to a dead letter beside the message's own.
+mod headers {
+    pub const STREAM: &str = "keygate-stream";
+    pub const GROUP: &str = "keygate-group";
+    pub const MEMBER: &str = "keygate-member";
+    pub const SUBJECT: &str = "keygate-subject";
+    pub const PARTITION: &str = "keygate-partition";
+    pub const STREAM_SEQ: &str = "keygate-stream-seq";
+    pub const ATTEMPTS: &str = "keygate-attempts";
+    pub const REASON: &str = "keygate-reason";
+    pub const KEY: &str = "keygate-key";
+    pub const OWNER: &str = "keygate-owner";
+
+    /// Every one of them: they describe the letter, not the message, and a
+    /// redrive leaves them out.
+    pub const ALL: [&str; 10] = [STREAM, GROUP, MEMBER, SUBJECT, PARTITION, STREAM_SEQ, ATTEMPTS, REASON, KEY, OWNER];
+}
