@@ -65,6 +65,13 @@ enum Command {
         #[command(subcommand)]
         command: keygate::cli::StreamsCommand,
     },
+    /// Dead letters: list, show, redrive, delete.
+    Dlq {
+        #[command(flatten)]
+        flags: AdminFlags,
+        #[command(subcommand)]
+        command: keygate::cli::DlqCommand,
+    },
     /// Exit 0 when a running keygate answers /healthz (for container health checks).
     Healthcheck {
         #[arg(long, env = "KEYGATE_LISTEN", default_value = "127.0.0.1:8080")]
@@ -317,6 +324,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Static { flags, command } => admin(&flags, keygate::cli::AdminCommand::Static(command)).await,
         Command::Elastic { flags, command } => admin(&flags, keygate::cli::AdminCommand::Elastic(command)).await,
         Command::Streams { flags, command } => admin(&flags, keygate::cli::AdminCommand::Streams(command)).await,
+        Command::Dlq { flags, command } => admin(&flags, keygate::cli::AdminCommand::Dlq(command)).await,
         Command::Healthcheck { listen, admin_listen } => healthcheck(admin_listen.unwrap_or(listen)).await,
     }
 }

@@ -170,10 +170,75 @@ pub enum StreamsCommand {
     },
 }
 
+/// Which dead letters: every flag given must match.
+#[derive(Debug, Clone, Default, Args)]
+pub struct DlqFilter {
+    /// Letters of this stream.
+    #[arg(long)]
+    pub stream: Option<String>,
+    /// Letters of this group's members.
+    #[arg(long, conflicts_with = "consumer")]
+    pub group: Option<String>,
+    /// Letters of this plain consumer's subscribers.
+    #[arg(long)]
+    pub consumer: Option<String>,
+    /// Letters of this member (or subscriber).
+    #[arg(long)]
+    pub member: Option<String>,
+    /// Letters of messages with this key.
+    #[arg(long)]
+    pub key: Option<String>,
+    /// Letters whose reason contains this text, ignoring case.
+    #[arg(long)]
+    pub reason: Option<String>,
+    /// Dead-lettered at or after this RFC 3339 time.
+    #[arg(long)]
+    pub since: Option<String>,
+    /// Dead-lettered at or before this RFC 3339 time.
+    #[arg(long)]
+    pub until: Option<String>,
+}
+
+/// `keygate dlq …`: the dead-letter stream.
+#[derive(Debug, Subcommand)]
+pub enum DlqCommand {
+    /// Dead letters, oldest first.
+    #[command(visible_alias = "list")]
+    Ls {
+        #[command(flatten)]
+        filter: DlqFilter,
+        /// Most letters to print.
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+        /// Go on from the cursor an earlier `ls` printed.
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+    /// One dead letter, with its payload and headers.
+    Show { id: String },
+    /// Publish letters again to their streams, by id or every one a filter selects.
+    Redrive {
+        ids: Vec<String>,
+        #[command(flatten)]
+        filter: DlqFilter,
+    },
+    /// Delete letters, by id or every one a filter selects.
+    #[command(visible_alias = "delete")]
+    Rm {
+        ids: Vec<String>,
+        #[command(flatten)]
+        filter: DlqFilter,
+        /// Do not ask for confirmation.
+        #[arg(short, long)]
+        force: bool,
+    },
+}
+
 /// One admin command.
 #[derive(Debug)]
 pub enum AdminCommand {
     Static(StaticCommand),
     Elastic(ElasticCommand),
     Streams(StreamsCommand),
+    Dlq(DlqCommand),
 }

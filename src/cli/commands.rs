@@ -258,7 +258,7 @@ impl Admin {
     }
 }
 
-fn confirm(question: &str) -> anyhow::Result<bool> {
+pub(super) fn confirm(question: &str) -> anyhow::Result<bool> {
     print!("{question}");
     std::io::stdout().flush()?;
     let mut answer = String::new();

@@ -1,16 +1,19 @@
 //! Admin commands mirroring pcgroups' `cg` CLI (`static …`, `elastic …`)
-//! plus `streams ls`. They talk to NATS directly through the same code the
+//! plus `streams ls` and `dlq …` (dead letters). They talk to NATS directly through the same code the
 //! REST API runs, so they work on groups made by Go pcgroups too.
 
 mod args;
 mod commands;
+mod dlq;
 pub mod render;
 
 use std::time::Duration;
 
 use anyhow::Context as _;
 
-pub use args::{AdminArgs, AdminCommand, ElasticCommand, StaticCommand, StaticCreate, StreamsCommand};
+pub use args::{
+    AdminArgs, AdminCommand, DlqCommand, DlqFilter, ElasticCommand, StaticCommand, StaticCreate, StreamsCommand,
+};
 
 use crate::groups::spec::{Mapping, PartitioningFilterSpec};
 use crate::groups::{GroupAdmin, GroupKind, GroupSpec};
@@ -54,12 +57,19 @@ pub async fn run(args: &AdminArgs, command: AdminCommand) -> anyhow::Result<()> 
         .with_context(|| format!("timed out connecting to NATS at {url}{}", hint()))?
         .with_context(|| format!("connecting to NATS at {url}{}", hint()))?;
     let js = jetstream(nats.clone(), Duration::from_secs(5));
-    let admin =
-        Admin { groups: GroupAdmin::new(js.clone()), streams: Streams::new(js), nats: nats.clone(), json: args.json };
+    let admin = Admin {
+        groups: GroupAdmin::new(js.clone()),
+        streams: Streams::new(js.clone()),
+        dead_letters: crate::dead_letters::Archive::new(js.clone()),
+        js,
+        nats: nats.clone(),
+        json: args.json,
+    };
     let result = match command {
         AdminCommand::Static(c) => admin.static_command(c).await,
         AdminCommand::Elastic(c) => admin.elastic_command(c).await,
         AdminCommand::Streams(StreamsCommand::Ls { all }) => admin.streams_ls(all).await,
+        AdminCommand::Dlq(c) => admin.dlq_command(c).await,
     };
     let _ = nats.flush().await;
     result
@@ -68,6 +78,8 @@ pub async fn run(args: &AdminArgs, command: AdminCommand) -> anyhow::Result<()> 
 struct Admin {
     groups: GroupAdmin,
     streams: Streams,
+    dead_letters: crate::dead_letters::Archive,
+    js: async_nats::jetstream::Context,
     nats: async_nats::Client,
     json: bool,
 }

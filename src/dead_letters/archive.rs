@@ -10,7 +10,7 @@ use super::filter::{Cursor, Selection};
 use super::letter::{Letter, Redriven};
 use super::{DEAD_LETTER_STREAM, REDRIVES_BUCKET};
 use crate::error::Error;
-use crate::nats::errors::{is_not_found, jetstream_error_code, stream_read_error, unavailable_or_internal};
+use crate::nats::errors::{is_not_found, jetstream_error_code, unavailable_or_internal};
 
 /// Most letters one page may hold.
 pub const MAX_PAGE: usize = 1000;
@@ -87,15 +87,14 @@ impl Archive {
         page
     }
 
-    /// One letter by its sequence; `None` when there is none.
+    /// One letter by its sequence; `None` when there is none. Read through
+    /// a consumer as pages are: async-nats's stream message get keeps only
+    /// the last value of a repeated header (its raw-message header parser
+    /// inserts rather than appends), and a letter keeps every value.
     pub async fn get(&self, seq: u64) -> Result<Option<Letter>, Error> {
-        use async_nats::jetstream::stream::RawMessageErrorKind as Kind;
-        let Some(stream) = self.stream().await? else { return Ok(None) };
-        match stream.get_raw_message(seq).await {
-            Ok(m) => Ok(Letter::parse(m.sequence, &m.subject, Some(&m.headers), m.payload, m.time)),
-            Err(e) if e.kind() == Kind::NoMessageFound => Ok(None),
-            Err(e) => Err(stream_read_error(DEAD_LETTER_STREAM, e)),
-        }
+        let selection = Selection { filter: Default::default(), cursor: Some(Cursor(seq)), limit: 1 };
+        let page = self.page(&selection).await?;
+        Ok(page.letters.into_iter().next().filter(|letter| letter.seq == seq))
     }
 
     /// Deletes a letter and its redrive mark; false when it was gone already.

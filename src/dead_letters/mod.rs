@@ -14,7 +14,7 @@ pub use archive::{Archive, Page, MAX_PAGE, PAGE_BYTES, SCAN_BUDGET};
 pub use filter::{Cursor, DeadLetterQuery, Filter, Selection};
 pub use letter::{DeadLetterView, Letter, Redriven};
 pub use record::{dead_letter_id, record, DeadLetter, Stored};
-pub use redrive::{redrive, RedriveOutcome};
+pub use redrive::{redrive_in_order, RedriveOutcome};
 
 /// Stream keeping dead letters.
 pub const DEAD_LETTER_STREAM: &str = "KEYGATE_DEAD_LETTERS";

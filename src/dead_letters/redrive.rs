@@ -29,7 +29,7 @@ pub struct RedriveOutcome {
 }
 
 /// Redrives `letter`, unless `mark` says it was already.
-pub async fn redrive(
+async fn redrive(
     js: &jetstream::Context,
     archive: &Archive,
     streams: &Streams,
@@ -58,6 +58,43 @@ pub async fn redrive(
     archive.mark_redriven(letter, &redriven).await?;
     metrics::counter!(crate::metrics::REDRIVEN, "stream" => letter.stream.clone()).increment(1);
     Ok(RedriveOutcome { redriven, earlier: false })
+}
+
+/// Redrives `letters` in the dead-letter stream's order, whatever order
+/// they come in, so a key's letters go back in the order they failed. A key
+/// whose letter could not go back holds its later letters, which would
+/// overtake it. NATS not answering ends the run with that error: the
+/// letters redriven so far are marked, and a retry answers them as earlier.
+pub async fn redrive_in_order(
+    js: &jetstream::Context,
+    archive: &Archive,
+    streams: &Streams,
+    max_payload: usize,
+    mut letters: Vec<Letter>,
+) -> Result<Vec<(Letter, Result<RedriveOutcome, Error>)>, Error> {
+    letters.sort_by_key(|l| l.seq);
+    letters.dedup_by_key(|l| l.seq);
+    let marks = archive.redriven(&letters).await?;
+    let mut outcomes = Vec::with_capacity(letters.len());
+    let mut held: Vec<(String, Option<String>, String)> = Vec::new();
+    for (letter, mark) in letters.into_iter().zip(marks) {
+        if let Some((_, _, first)) = held.iter().find(|(s, k, _)| *s == letter.stream && *k == letter.key) {
+            let why = format!(
+                "not redriven: dead letter {first} of the same key could not be, and this one would overtake it"
+            );
+            outcomes.push((letter, Err(Error::Conflict(why))));
+            continue;
+        }
+        match redrive(js, archive, streams, max_payload, &letter, mark).await {
+            Err(Error::Unavailable(why)) => return Err(Error::Unavailable(why)),
+            Err(e) => {
+                held.push((letter.stream.clone(), letter.key.clone(), letter.id()));
+                outcomes.push((letter, Err(e)));
+            }
+            Ok(done) => outcomes.push((letter, Ok(done))),
+        }
+    }
+    Ok(outcomes)
 }
 
 /// The letter's message as a publish request: its subject, headers and

@@ -12,7 +12,6 @@ use super::extract::{Json, Path, Query};
 use crate::app::AppState;
 use crate::auth::{Caller, Requirement, Scopes};
 use crate::dead_letters::{self, DeadLetterQuery, DeadLetterView, Letter, MAX_PAGE};
-use crate::error::Error;
 use crate::http::problem::{ApiError, Problem};
 
 /// A page of dead letters, oldest first.
@@ -266,10 +265,6 @@ pub async fn redrive_dead_letters(
                     Err(e) => return Err(e),
                 }
             }
-            // The stream's order, whatever the request's: a key's letters go
-            // back in the order they failed.
-            letters.sort_by_key(|l| l.seq);
-            letters.dedup_by_key(|l| l.seq);
             (letters, None)
         }
         (None, Some(filter)) => {
@@ -280,23 +275,11 @@ pub async fn redrive_dead_letters(
         }
         _ => return Err(ApiError::BadRequest("give ids or filter, one of them".into())),
     };
-    let marks = state.dead_letters.redriven(&letters).await?;
-    let mut redriven = Vec::with_capacity(letters.len());
-    // A key whose letter could not go back holds its later letters too, so
-    // they do not overtake it.
-    let mut held_keys: Vec<(String, Option<String>, String)> = Vec::new();
-    for (letter, mark) in letters.iter().zip(marks) {
-        let key = (letter.stream.clone(), letter.key.clone());
-        if let Some((_, _, first)) = held_keys.iter().find(|(s, k, _)| (s, k) == (&key.0, &key.1)) {
-            let why = format!(
-                "not redriven: dead letter {first} of the same key could not be, and this one would overtake it"
-            );
-            failed.push(FailedLetter { id: letter.id(), error: ApiError::from(Error::Conflict(why)).problem() });
-            continue;
-        }
-        let outcome =
-            dead_letters::redrive(&state.js, &state.dead_letters, &state.streams, state.max_payload(), letter, mark)
-                .await;
+    let outcomes =
+        dead_letters::redrive_in_order(&state.js, &state.dead_letters, &state.streams, state.max_payload(), letters)
+            .await?;
+    let mut redriven = Vec::with_capacity(outcomes.len());
+    for (letter, outcome) in outcomes {
         match outcome {
             Ok(done) => redriven.push(RedrivenLetter {
                 id: letter.id(),
@@ -305,11 +288,7 @@ pub async fn redrive_dead_letters(
                 at: done.redriven.at,
                 earlier: done.earlier,
             }),
-            Err(Error::Unavailable(why)) => return Err(ApiError::from(Error::Unavailable(why))),
-            Err(e) => {
-                held_keys.push((key.0, key.1, letter.id()));
-                failed.push(FailedLetter { id: letter.id(), error: ApiError::from(e).problem() });
-            }
+            Err(e) => failed.push(FailedLetter { id: letter.id(), error: ApiError::from(e).problem() }),
         }
     }
     Ok(Json(RedriveAnswer { redriven, failed, next_cursor }))

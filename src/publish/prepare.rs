@@ -40,12 +40,8 @@ impl Prepared {
             .iter()
             .flat_map(|(n, vs)| vs.iter().map(move |v| AsRef::<str>::as_ref(n).len() + v.as_str().len() + 4))
             .sum();
-        let size = self.payload.len()
-            + self.subject.len()
-            + header_bytes
-            + super::REDRIVEN_FROM.len()
-            + letter_id.len()
-            + 4;
+        let size =
+            self.payload.len() + self.subject.len() + header_bytes + super::REDRIVEN_FROM.len() + letter_id.len() + 4;
         if size > max_payload {
             return Err(Error::TooLarge(format!(
                 "the redriven message would be {size} bytes with headers; the server accepts at most {max_payload}"

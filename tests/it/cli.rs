@@ -151,3 +151,37 @@ async fn streams_ls_prints_partitions_messages_and_state() {
     assert_eq!(down.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&down.stderr).contains("connecting to NATS"));
 }
+
+#[tokio::test]
+async fn dlq_lists_shows_redrives_and_deletes_dead_letters() {
+    use crate::dead_letters::{group_with_hook, ids, poison_receiver, publish, wait_for_letters};
+    let app = TestApp::start().await;
+    let failing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let receiver = poison_receiver(failing.clone()).await;
+    group_with_hook(&app, &receiver).await;
+    for n in 0..2 {
+        publish(&app, "poison", n).await;
+    }
+    let letter_ids = ids(&wait_for_letters(&app, 2).await);
+
+    let listed = ok(&app, &["dlq", "ls", "--stream", "K", "--group", "g"]);
+    assert!(listed.contains("poison") && listed.contains("endpoint refused"), "{listed}");
+    let page = json_of(&app, &["dlq", "ls", "--key", "poison", "--limit", "1"]);
+    assert_eq!(page["dead_letters"][0]["id"], letter_ids[0].as_str());
+    assert_eq!(page["next_cursor"].as_str().map(|c| c.parse::<u64>().is_ok()), Some(true), "{page}");
+    let shown = ok(&app, &["dlq", "show", &letter_ids[1]]);
+    assert!(shown.contains(r#"{"n":1}"#) && shown.contains("x-origin: a, b"), "{shown}");
+
+    failing.store(false, std::sync::atomic::Ordering::SeqCst);
+    let redriven = ok(&app, &["dlq", "redrive", &letter_ids[1], &letter_ids[0]]);
+    let lines: Vec<&str> = redriven.lines().collect();
+    assert!(lines[0].starts_with(&format!("{} redriven to K #", letter_ids[0])), "in the stream's order: {redriven}");
+    let again = json_of(&app, &["dlq", "redrive", "--stream", "K", "--key", "poison"]);
+    assert!(again.as_array().unwrap().iter().all(|r| r["earlier"] == true), "{again}");
+
+    let refused = keygate(&app, &["dlq", "rm", "--force"]);
+    assert_eq!(refused.status.code(), Some(1), "deleting takes ids or a filter");
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("give ids"));
+    assert!(ok(&app, &["dlq", "rm", "--key", "poison", "--force"]).contains("deleted 2 dead letters"));
+    assert_eq!(app.get("/v1/dead-letters").await.1["dead_letters"], json!([]));
+}

@@ -16,7 +16,7 @@ use crate::support::{eventually, into_parts, TestApp};
 const WAIT: Duration = Duration::from_secs(20);
 
 /// A one-partition stream K with group g of m1, served by `receiver`.
-async fn group_with_hook(app: &TestApp, receiver: &Receiver) {
+pub(crate) async fn group_with_hook(app: &TestApp, receiver: &Receiver) {
     app.create_stream("K", json!({"subjects":["k.*"],"partitions":1})).await;
     let group = json!({"kind":"static","partitions":1,"members":["m1"],"ack_wait_ms":2000});
     assert_eq!(app.put("/v1/streams/K/groups/g", group).await.0, 201);
@@ -26,7 +26,7 @@ async fn group_with_hook(app: &TestApp, receiver: &Receiver) {
 
 /// A receiver refusing key `poison` with a 400 (terminal: dead-lettered at
 /// once) while `failing` holds.
-async fn poison_receiver(failing: Arc<AtomicBool>) -> Receiver {
+pub(crate) async fn poison_receiver(failing: Arc<AtomicBool>) -> Receiver {
     Receiver::start(move |r, _| {
         if r.key() == "poison" && failing.load(Ordering::SeqCst) {
             Answer::status(400)
@@ -37,7 +37,7 @@ async fn poison_receiver(failing: Arc<AtomicBool>) -> Receiver {
     .await
 }
 
-async fn publish(app: &TestApp, key: &str, n: u64) -> u64 {
+pub(crate) async fn publish(app: &TestApp, key: &str, n: u64) -> u64 {
     let (status, ack) = app
         .post("/v1/streams/K/messages", json!({"key": key, "data": {"n": n}, "headers": {"x-origin": ["a", "b"]}}))
         .await;
@@ -51,12 +51,12 @@ async fn letters(app: &TestApp, query: &str) -> Value {
     page
 }
 
-fn ids(page: &Value) -> Vec<String> {
+pub(crate) fn ids(page: &Value) -> Vec<String> {
     page["dead_letters"].as_array().unwrap().iter().map(|l| l["id"].as_str().unwrap().to_owned()).collect()
 }
 
 /// Waits until the group's letters number `count`.
-async fn wait_for_letters(app: &TestApp, count: usize) -> Value {
+pub(crate) async fn wait_for_letters(app: &TestApp, count: usize) -> Value {
     eventually(WAIT, || async {
         let page = letters(app, "?stream=K&group=g").await;
         (page["dead_letters"].as_array().unwrap().len() == count).then_some(page)
@@ -116,6 +116,7 @@ async fn letters_are_listed_by_filter_and_cursor_and_read_whole() {
     let id = ids(&page)[1].clone();
     let (status, letter) = app.get(&format!("/v1/dead-letters/{id}")).await;
     assert_eq!((status, letter["data"].clone()), (200, json!({"n": 1})));
+    assert_eq!(letter["headers"]["x-origin"], json!(["a", "b"]), "every value of a repeated header");
 
     // Bad input changes nothing and says what is wrong.
     for bad in ["?cursor=abc", "?limit=0", "?since=yesterday", "?group=g&consumer=c", "?stream=a.b", "?colour=red"] {
