@@ -38,6 +38,8 @@ pub struct AppState {
     pub events: EventBus,
     /// The dead-letter stream, browsed and redriven through the API.
     pub dead_letters: crate::dead_letters::Archive,
+    /// Paused members and subscribers.
+    pub pauses: crate::pauses::Pauses,
     /// What member instances share (set once keygate is connected).
     pub instances: Option<Arc<InstanceContext>>,
     /// WebSocket member connections, awaited at shutdown.
@@ -69,6 +71,7 @@ impl AppState {
             consumer_webhooks: WebhookStore::for_consumers(js.clone(), policy),
             events: EventBus::new(nats.clone()),
             dead_letters: crate::dead_letters::Archive::new(js.clone()),
+            pauses: crate::pauses::Pauses::new(js.clone()),
             verifier: verifier.map(Arc::new),
             instances: None,
             connections: tokio_util::task::TaskTracker::new(),
@@ -124,6 +127,7 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
         webhooks: WebhookClient::new(Arc::new(state.settings.destinations.clone()))?,
         webhook_store: state.webhooks.clone(),
         groups: state.groups.clone(),
+        pauses: state.pauses.clone(),
         instance_id: state
             .settings
             .instance_id

@@ -40,6 +40,10 @@ pub enum EventType {
     KeyBlocked,
     #[serde(rename = "key.unblocked")]
     KeyUnblocked,
+    #[serde(rename = "member.paused")]
+    MemberPaused,
+    #[serde(rename = "member.resumed")]
+    MemberResumed,
 }
 
 impl EventType {
@@ -58,6 +62,8 @@ impl EventType {
             Self::PartitionUnblocked => "partition.unblocked",
             Self::KeyBlocked => "key.blocked",
             Self::KeyUnblocked => "key.unblocked",
+            Self::MemberPaused => "member.paused",
+            Self::MemberResumed => "member.resumed",
         }
     }
 }
@@ -98,6 +104,9 @@ pub struct Event {
     /// Fencing token (pin events).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fencing_token: Option<u64>,
+    /// Who paused or resumed the member (pause events).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub by: Option<String>,
     #[serde(with = "time::serde::rfc3339")]
     #[schema(value_type = String, format = DateTime)]
     pub time: OffsetDateTime,
@@ -136,6 +145,7 @@ impl Event {
             partitions: None,
             pin_id: None,
             fencing_token: None,
+            by: None,
             time: OffsetDateTime::now_utc(),
         }
     }
@@ -163,6 +173,19 @@ impl Event {
 
     pub fn member_unpinned(about: About<'_>, reason: &str) -> Self {
         Self { reason: Some(reason.to_owned()), ..Self::about(about, EventType::MemberUnpinned) }
+    }
+
+    /// An operator paused the member: its instances stop pulling everywhere.
+    pub fn member_paused(about: About<'_>, by: &str, reason: Option<&str>) -> Self {
+        Self {
+            by: Some(by.to_owned()),
+            reason: reason.map(str::to_owned),
+            ..Self::about(about, EventType::MemberPaused)
+        }
+    }
+
+    pub fn member_resumed(about: About<'_>, by: &str) -> Self {
+        Self { by: Some(by.to_owned()), ..Self::about(about, EventType::MemberResumed) }
     }
 
     /// Another instance holds the pin; this one waits.

@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod names;
 pub mod nats;
 pub mod partition;
+pub mod pauses;
 pub mod publish;
 pub mod settings;
 pub mod status;

@@ -8,8 +8,9 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream::{self, consumer::PriorityPolicy};
+use async_nats::jetstream::{self, consumer::PriorityPolicy, kv};
 use futures::StreamExt;
+use tokio::sync::broadcast::Receiver;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -26,6 +27,7 @@ use crate::member::pin::{announce_pinned, announce_standby, announce_unpinned, p
 use crate::member::pull::{classify, OpenPulls, PullRequest, Reply};
 use crate::member_ref::{MemberRef, Owner};
 use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
+use crate::pauses::{pause_key, pause_update, wait_while_paused, PauseUpdate, PAUSES_BUCKET};
 
 /// How long one pull waits at the server.
 const PULL_EXPIRY: Duration = Duration::from_secs(5);
@@ -81,8 +83,17 @@ pub async fn serve_consumer(
     let who =
         MemberRef { stream: target.stream.clone(), group, member: target.subscriber.clone(), owner: Owner::Consumer };
     while !cancel.is_cancelled() {
-        match Box::pin(serve_once(&ctx, &target, &who, &endpoint, options, &cancel)).await {
-            Ok(()) => return,
+        // Taken before the flag is read, so no pause falls between.
+        let pause_updates = ctx.config_watch.subscribe(PAUSES_BUCKET);
+        if !matches!(ctx.pauses.get(&who).await, Ok(None)) {
+            if wait_while_paused(&ctx.pauses, &who, pause_updates, &cancel).await {
+                return;
+            }
+            continue;
+        }
+        match Box::pin(serve_once(&ctx, &target, &who, &endpoint, options, pause_updates, &cancel)).await {
+            Ok(Ended::Shutdown) => return,
+            Ok(Ended::Paused) => {}
             Err(why) => {
                 tracing::debug!(consumer = %target.consumer, %why, "subscriber pausing");
                 tokio::select! {
@@ -94,6 +105,13 @@ pub async fn serve_consumer(
     }
 }
 
+/// Why a run ended, when it ended well.
+enum Ended {
+    Shutdown,
+    /// An operator paused the subscriber.
+    Paused,
+}
+
 /// One run against the consumer as it is now; `Err` when it is missing or
 /// was deleted (look again later).
 async fn serve_once(
@@ -102,8 +120,10 @@ async fn serve_once(
     who: &MemberRef,
     endpoint: &Arc<Endpoint>,
     options: SubscriberOptions,
+    mut pauses: Receiver<Arc<kv::Entry>>,
     cancel: &CancellationToken,
-) -> Result<(), String> {
+) -> Result<Ended, String> {
+    let pause_key = pause_key(who);
     let stream = ctx.js.get_stream(target.stream.as_str()).await.map_err(|e| e.to_string())?;
     // Only a partition-stamped stream's subjects start with a partition token.
     let partitioning = Partitioning::IfStamped(stream.cached_info().config.subject_transform.is_some());
@@ -175,7 +195,11 @@ async fn serve_once(
         }
         let deadline = pulls.next_deadline().unwrap_or_else(|| Instant::now() + Duration::from_secs(1));
         tokio::select! {
-            () = cancel.cancelled() => break Ok(()),
+            () = cancel.cancelled() => break Ok(Ended::Shutdown),
+            update = pauses.recv() => match pause_update(&pause_key, update) {
+                PauseUpdate::Paused | PauseUpdate::Unknown => break Ok(Ended::Paused),
+                PauseUpdate::Resumed | PauseUpdate::Other => {}
+            },
             done = deliveries.join_next(), if !deliveries.is_empty() => {
                 if let Some(Ok(events)) = done {
                     for e in events {

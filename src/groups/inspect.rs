@@ -10,6 +10,7 @@ use super::spec::{consumer_of, GroupConfig, GroupKind, PartitioningFilterSpec};
 use super::store::{GroupAdmin, DEFAULT_ACK_WAIT_MS};
 use super::view::{GroupView, MemberState, MembershipView, OwnedPartitions, PartitionPending};
 use crate::error::Error;
+use crate::member_ref::{MemberRef, Owner};
 use crate::names::{GroupName, StreamName};
 use crate::nats::errors::{is_not_found, unavailable_or_internal};
 
@@ -52,6 +53,7 @@ impl GroupAdmin {
                         serving_instance: None,
                         fencing_token: None,
                         instances: Vec::new(),
+                        paused: None,
                     }
                 }
                 None => MemberState {
@@ -68,9 +70,23 @@ impl GroupAdmin {
                     serving_instance: None,
                     fencing_token: None,
                     instances: Vec::new(),
+                    paused: None,
                 },
             };
             assignment.push(state);
+        }
+        let pauses = crate::pauses::Pauses::new(self.js.clone());
+        let flags = futures::future::join_all(assignment.iter().map(|state| {
+            let pauses = &pauses;
+            async move {
+                let member = crate::names::MemberName::parse(&state.member).ok()?;
+                let who = MemberRef { stream: stream.clone(), group: group.clone(), member, owner: Owner::Group };
+                pauses.get(&who).await.ok().flatten()
+            }
+        }))
+        .await;
+        for (state, paused) in assignment.iter_mut().zip(flags) {
+            state.paused = paused;
         }
         let owner_of: BTreeMap<u32, String> =
             owners.iter().flat_map(|(m, ps)| ps.iter().map(move |p| (*p, m.clone()))).collect();

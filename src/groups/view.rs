@@ -105,6 +105,8 @@ pub struct MemberState {
     /// keygate instances serving the member (webhook replicas, WebSocket
     /// connections): the pinned one first, then its standbys.
     pub instances: Vec<InstanceState>,
+    /// Who paused the member, when and why; `null` when it is not paused.
+    pub paused: Option<crate::pauses::Pause>,
 }
 
 /// One keygate instance of a member.

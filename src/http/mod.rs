@@ -10,6 +10,7 @@ pub mod extract;
 pub mod groups;
 pub mod health;
 pub mod messages;
+pub mod pauses;
 pub mod problem;
 pub mod serve;
 pub mod streams;
@@ -66,6 +67,8 @@ pub fn api() -> (Router<AppState>, utoipa::openapi::OpenApi) {
         .routes(routes!(groups::drop_member))
         .routes(routes!(groups::put_mappings, groups::delete_mappings))
         .routes(routes!(groups::step_down))
+        .routes(routes!(pauses::pause_member))
+        .routes(routes!(pauses::resume_member))
         .routes(routes!(groups::skip_partition))
         .routes(routes!(groups::skip_key))
         .routes(routes!(groups::retry_key_now))
@@ -73,6 +76,8 @@ pub fn api() -> (Router<AppState>, utoipa::openapi::OpenApi) {
         .routes(routes!(consumers::put_consumer, consumers::get_consumer, consumers::delete_consumer))
         .routes(routes!(consumers::unpin_consumer))
         .routes(routes!(consumers::put_subscriber, consumers::get_subscriber, consumers::delete_subscriber))
+        .routes(routes!(pauses::pause_subscriber))
+        .routes(routes!(pauses::resume_subscriber))
         .routes(routes!(webhooks::put_webhook, webhooks::get_webhook, webhooks::delete_webhook))
         .routes(routes!(ws::join_member))
         .routes(routes!(ws::join_consumer))

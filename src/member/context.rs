@@ -23,6 +23,8 @@ pub struct InstanceContext {
     pub webhooks: WebhookClient,
     pub webhook_store: WebhookStore,
     pub groups: GroupAdmin,
+    /// Pause flags, read before joining and watched while serving.
+    pub pauses: crate::pauses::Pauses,
     /// Names this keygate process in events.
     pub instance_id: String,
     /// Most messages held behind one partition's head before pulling slows

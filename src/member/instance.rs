@@ -21,6 +21,7 @@ use crate::groups::spec::filter_subjects_of;
 use crate::groups::store::{DEFAULT_ACK_WAIT_MS, SETTINGS_BUCKET};
 use crate::groups::{GroupConfig, GroupKind};
 use crate::member_ref::MemberRef;
+use crate::pauses::{wait_while_paused, PAUSES_BUCKET};
 
 /// Serves `who` through its webhook until `cancel`.
 pub async fn serve_webhook(
@@ -64,6 +65,14 @@ pub async fn serve_member(
         // Taken before the configuration is read, so no update falls between.
         let updates = (ctx.config_watch.subscribe(STATIC_BUCKET), ctx.config_watch.subscribe(ELASTIC_BUCKET));
         let settings_updates = ctx.config_watch.subscribe(SETTINGS_BUCKET);
+        let pause_updates = ctx.config_watch.subscribe(PAUSES_BUCKET);
+        if !matches!(ctx.pauses.get(&who).await, Ok(None)) {
+            // Paused (or its flag unreadable): no pulls, so no pin.
+            if wait_while_paused(&ctx.pauses, &who, pause_updates, &cancel).await {
+                return;
+            }
+            continue;
+        }
         let stored = match Box::pin(ctx.groups.load(&who.stream, &who.group, None)).await {
             Ok(g) => g,
             Err(e) => {
@@ -145,8 +154,10 @@ pub async fn serve_member(
             GroupKind::Static => updates.0,
             GroupKind::Elastic => updates.1,
         };
-        match session.run(&cancel, updates, settings_updates).await {
+        match session.run(&cancel, updates, settings_updates, pause_updates).await {
             SessionEnd::Shutdown => return,
+            // The loop's next turn finds the flag and waits.
+            SessionEnd::Paused => {}
             SessionEnd::Gone => {
                 if let Endpoint::Webhook { registration, .. } = &*endpoint {
                     Box::pin(deregister(&ctx, &who, registration)).await;

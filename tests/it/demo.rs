@@ -197,14 +197,21 @@ async fn the_dashboards_dead_letters_tab_lists_redrives_and_deletes() {
     browser.eval("document.getElementById('tab-letters').click()").await;
     wait_for(&mut browser, "document.querySelectorAll('#dl-table tr[data-letter]').length === 2").await;
     // Filtered by key: nothing for another key.
-    browser.eval("document.getElementById('dl-key').value = 'other'; document.getElementById('dl-search').click()").await;
+    browser
+        .eval("document.getElementById('dl-key').value = 'other'; document.getElementById('dl-search').click()")
+        .await;
     wait_for(&mut browser, "document.querySelectorAll('#dl-table tr[data-letter]').length === 0").await;
-    browser.eval("document.getElementById('dl-key').value = 'poison'; document.getElementById('dl-search').click()").await;
+    browser
+        .eval("document.getElementById('dl-key').value = 'poison'; document.getElementById('dl-search').click()")
+        .await;
     wait_for(&mut browser, "document.querySelectorAll('#dl-table tr[data-letter]').length === 2").await;
     // Redrive the first by button: the row says where it went, and the endpoint gets it.
     browser.eval("document.querySelector('#dl-table tr[data-letter=\"1\"] button[data-action=redrive]').click()").await;
-    wait_for(&mut browser, "document.querySelector('#dl-table tr[data-letter=\"1\"] .redriven').textContent.startsWith('K #')")
-        .await;
+    wait_for(
+        &mut browser,
+        "document.querySelector('#dl-table tr[data-letter=\"1\"] .redriven').textContent.startsWith('K #')",
+    )
+    .await;
     crate::support::eventually(Duration::from_secs(20), || async {
         receiver.requests().iter().any(|r| r.header("keygate-redriven-from") == Some("1") && r.ok()).then_some(())
     })
@@ -216,4 +223,30 @@ async fn the_dashboards_dead_letters_tab_lists_redrives_and_deletes() {
     let artifact = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/e2e/dashboard-dead-letters.png");
     browser.screenshot(&artifact).await;
     println!("screenshot: {}", artifact.display());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_pauses_and_resumes_a_member() {
+    use serde_json::json;
+    let app = TestApp::start().await;
+    app.create_stream("ORDERS", json!({"subjects":["orders.*"],"partitions":2})).await;
+    let group = json!({"kind":"static","partitions":2,"members":["m1"]});
+    assert_eq!(app.put("/v1/streams/ORDERS/groups/g", group).await.0, 201);
+    let mut browser = Browser::launch().await;
+    browser.navigate(&app.url("/ui")).await;
+    wait_for(&mut browser, "!!document.querySelector('button[data-action=pause][data-member=m1]')").await;
+    browser.eval("document.querySelector('button[data-action=pause][data-member=m1]').click()").await;
+    wait_for(
+        &mut browser,
+        "(() => { const c = document.querySelector('[data-group=g] tr[data-member=m1] .pin'); return !!c && c.textContent.startsWith('paused by anonymous'); })()",
+    )
+    .await;
+    wait_for(&mut browser, "document.getElementById('events').textContent.includes('member.paused')").await;
+    assert_eq!(
+        app.get("/v1/streams/ORDERS/groups/g").await.1["assignment"][0]["paused"]["reason"],
+        "paused from the dashboard"
+    );
+    browser.eval("document.querySelector('button[data-action=resume][data-member=m1]').click()").await;
+    wait_for(&mut browser, "!!document.querySelector('button[data-action=pause][data-member=m1]')").await;
+    assert!(app.get("/v1/streams/ORDERS/groups/g").await.1["assignment"][0]["paused"].is_null());
 }

@@ -15,6 +15,7 @@ mod hardening;
 mod key_order;
 mod node_loss;
 mod openapi;
+mod pauses;
 mod publish;
 mod serve;
 mod streams;

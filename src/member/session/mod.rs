@@ -39,6 +39,7 @@ use crate::groups::config::{config_key, PRIORITY_GROUP};
 use crate::groups::spec::filter_subjects_of;
 use crate::groups::{GroupConfig, GroupSettings, Ordering as GroupOrdering};
 use crate::member_ref::MemberRef;
+use crate::pauses::PauseUpdate;
 
 /// How often a non-pinned instance checks who holds the pin.
 const PIN_CHECK: Duration = Duration::from_millis(250);
@@ -57,6 +58,8 @@ pub enum SessionEnd {
     ConsumerGone,
     /// The endpoint answered 410: stop serving it.
     Gone,
+    /// An operator paused the member: stop pulling, finish, release the pin.
+    Paused,
 }
 
 /// The consumer a session pulls from, as joined.
@@ -150,7 +153,9 @@ impl Session {
         cancel: &CancellationToken,
         mut updates: Receiver<Arc<Entry>>,
         mut settings: Receiver<Arc<Entry>>,
+        mut pauses: Receiver<Arc<Entry>>,
     ) -> SessionEnd {
+        let pause_key = crate::pauses::pause_key(self.who());
         let Ok(mut replies) = self.ctx().nats.subscribe(self.pulls.reply_filter()).await else {
             return SessionEnd::ConsumerGone;
         };
@@ -200,6 +205,11 @@ impl Session {
                         break end;
                     }
                 }
+                update = pauses.recv() => match crate::pauses::pause_update(&pause_key, update) {
+                    // Missed updates: the instance reads the flag before it joins again.
+                    PauseUpdate::Paused | PauseUpdate::Unknown => break SessionEnd::Paused,
+                    PauseUpdate::Resumed | PauseUpdate::Other => {}
+                },
             }
         };
         Box::pin(self.wind_down(&end)).await;
@@ -333,7 +343,9 @@ impl Session {
             let _ = held.message.ack_with(AckKind::Nak(None)).await;
         }
         if self.pin.is_pinned() {
-            if matches!(end, SessionEnd::Shutdown | SessionEnd::Gone) {
+            // Released at once when nobody else may take it now (a pause)
+            // or this instance is leaving; a rebalance lets it lapse.
+            if matches!(end, SessionEnd::Shutdown | SessionEnd::Gone | SessionEnd::Paused) {
                 if let Ok(handle) = self.ctx().js.get_stream_no_info(&self.joined.stream_name).await {
                     let _ = handle.unpin_consumer(&self.joined.consumer, PRIORITY_GROUP).await;
                 }
@@ -343,6 +355,7 @@ impl Session {
                 SessionEnd::Rejoin { .. } => "rebalancing",
                 SessionEnd::ConsumerGone => "consumer gone",
                 SessionEnd::Gone => "endpoint gone",
+                SessionEnd::Paused => "paused",
             };
             self.ctx().events.emit(Event::member_unpinned(self.ctx().about(self.who()), why));
         }
