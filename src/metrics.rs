@@ -28,6 +28,8 @@ pub const DEAD_LETTERS: &str = "keygate_dead_letters_total";
 /// Dead letters published again to their stream (a repeated redrive of
 /// one letter is not counted).
 pub const REDRIVEN: &str = "keygate_dead_letters_redriven_total";
+/// Circuit breakers that tripped and paused their member.
+pub const BREAKER_TRIPS: &str = "keygate_breaker_trips_total";
 /// Pins gained and lost by this keygate's member instances.
 pub const PIN_CHANGES: &str = "keygate_pin_changes_total";
 /// Member instances this keygate runs.

@@ -31,6 +31,43 @@ pub struct Pause {
     #[schema(value_type = String, format = DateTime)]
     pub since: OffsetDateTime,
     pub reason: Option<String>,
+    /// A circuit breaker's pause: how often one replica tries one message.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub probe_every_ms: Option<u64>,
+    /// When the next probe may start.
+    #[serde(default, skip_serializing_if = "Option::is_none", with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub next_probe_at: Option<OffsetDateTime>,
+    /// The keygate instance probing now, if one is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub probing_by: Option<String>,
+}
+
+/// Who a circuit breaker's pause names as having paused the member.
+pub const BREAKER: &str = "circuit breaker";
+
+impl Pause {
+    /// An operator's pause, from now.
+    pub fn by(paused_by: String, reason: Option<String>) -> Self {
+        Self {
+            paused_by,
+            since: OffsetDateTime::now_utc(),
+            reason,
+            probe_every_ms: None,
+            next_probe_at: None,
+            probing_by: None,
+        }
+    }
+
+    /// A circuit breaker's pause, probing every `probe_every` when given.
+    pub fn by_breaker(reason: String, probe_every: Option<std::time::Duration>) -> Self {
+        let now = OffsetDateTime::now_utc();
+        Self {
+            probe_every_ms: probe_every.map(|d| d.as_millis() as u64),
+            next_probe_at: probe_every.map(|d| now + d),
+            ..Self::by(BREAKER.to_owned(), Some(reason))
+        }
+    }
 }
 
 /// The flag's key: owner, stream, group (or consumer) and member, all
@@ -100,6 +137,42 @@ impl Pauses {
         }
     }
 
+    /// Claims the next probe of a breaker's pause for `instance`, when it is
+    /// due; `lease` later another instance may claim it (this one died).
+    /// Compare-and-set: one instance wins.
+    pub async fn claim_probe(
+        &self,
+        who: &MemberRef,
+        instance: &str,
+        lease: std::time::Duration,
+    ) -> Result<bool, Error> {
+        let Some(store) = self.bucket(false).await? else { return Ok(false) };
+        let key = pause_key(who);
+        let entry = store.entry(&key).await.map_err(|e| unavailable_or_internal("reading a pause", e))?;
+        let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) else { return Ok(false) };
+        let Ok(mut pause) = serde_json::from_slice::<Pause>(&entry.value) else { return Ok(false) };
+        let now = OffsetDateTime::now_utc();
+        if pause.probe_every_ms.is_none() || pause.next_probe_at.is_none_or(|at| at > now) {
+            return Ok(false);
+        }
+        pause.probing_by = Some(instance.to_owned());
+        pause.next_probe_at = Some(now + lease);
+        let bytes = serde_json::to_vec(&pause).map_err(|e| Error::Internal(e.to_string()))?;
+        Ok(store.update(&key, bytes.into(), entry.revision).await.is_ok())
+    }
+
+    /// The probe failed: stay paused, the next probe due an interval from now.
+    pub async fn probe_failed(&self, who: &MemberRef) -> Result<(), Error> {
+        let Some(store) = self.bucket(false).await? else { return Ok(()) };
+        let Some(mut pause) = self.get(who).await? else { return Ok(()) };
+        let Some(every) = pause.probe_every_ms else { return Ok(()) };
+        pause.probing_by = None;
+        pause.next_probe_at = Some(OffsetDateTime::now_utc() + std::time::Duration::from_millis(every));
+        let bytes = serde_json::to_vec(&pause).map_err(|e| Error::Internal(e.to_string()))?;
+        store.put(pause_key(who), bytes.into()).await.map_err(|e| unavailable_or_internal("storing a pause", e))?;
+        Ok(())
+    }
+
     /// Resumes `who`; answers the pause lifted, `None` when it was not paused.
     pub async fn resume(&self, who: &MemberRef) -> Result<Option<Pause>, Error> {
         let Some(lifted) = self.get(who).await? else { return Ok(None) };
@@ -110,9 +183,12 @@ impl Pauses {
 }
 
 /// What a watched update of the bucket means for one member.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PauseUpdate {
-    Paused,
+    /// Paused; `probing_by` names the instance that claimed a probe.
+    Paused {
+        probing_by: Option<String>,
+    },
     Resumed,
     /// Updates were missed, or the watch ended: read the flag again.
     Unknown,
@@ -124,7 +200,9 @@ pub enum PauseUpdate {
 pub fn pause_update(key: &str, update: Result<Arc<kv::Entry>, RecvError>) -> PauseUpdate {
     match update {
         Ok(entry) if entry.key == key => match entry.operation {
-            kv::Operation::Put => PauseUpdate::Paused,
+            kv::Operation::Put => PauseUpdate::Paused {
+                probing_by: serde_json::from_slice::<Pause>(&entry.value).ok().and_then(|p| p.probing_by),
+            },
             kv::Operation::Delete | kv::Operation::Purge => PauseUpdate::Resumed,
         },
         Ok(_) => PauseUpdate::Other,
@@ -132,35 +210,62 @@ pub fn pause_update(key: &str, update: Result<Arc<kv::Entry>, RecvError>) -> Pau
     }
 }
 
-/// Waits while `who` is paused; true when `cancel` ends the wait. `updates`
-/// must have been taken before the flag was last read.
+/// How a wait for a paused member ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Waited {
+    Resumed,
+    Cancelled,
+    /// This instance claimed a breaker's probe: serve one message.
+    Probe,
+}
+
+/// Waits while `who` is paused, claiming a breaker's probe for `instance`
+/// when one is due (`lease`: how long the claim holds). `updates` must
+/// have been taken before the flag was last read.
 pub async fn wait_while_paused(
     pauses: &Pauses,
     who: &MemberRef,
+    probe: Option<(&str, std::time::Duration)>,
     mut updates: Receiver<Arc<kv::Entry>>,
     cancel: &CancellationToken,
-) -> bool {
+) -> Waited {
     let key = pause_key(who);
     loop {
-        // Unreadable counts as paused: look again soon.
-        if let Ok(None) = pauses.get(who).await {
-            return false;
+        let mut recheck_in = RECHECK;
+        match pauses.get(who).await {
+            Ok(None) => return Waited::Resumed,
+            Ok(Some(pause)) => {
+                if let (Some((instance, lease)), Some(at)) = (probe, pause.next_probe_at) {
+                    let due = at - OffsetDateTime::now_utc();
+                    if due <= time::Duration::ZERO {
+                        if let Ok(true) = pauses.claim_probe(who, instance, lease).await {
+                            return Waited::Probe;
+                        }
+                    } else {
+                        recheck_in = recheck_in.min(due.unsigned_abs());
+                    }
+                }
+            }
+            // Unreadable counts as paused: look again soon.
+            Err(_) => {}
         }
-        let recheck = tokio::time::sleep(RECHECK);
+        let recheck = tokio::time::sleep(recheck_in);
         tokio::pin!(recheck);
         loop {
             let update = tokio::select! {
-                () = cancel.cancelled() => return true,
+                () = cancel.cancelled() => return Waited::Cancelled,
                 () = &mut recheck => break,
                 update = updates.recv() => update,
             };
             match pause_update(&key, update) {
-                PauseUpdate::Resumed => return false,
-                PauseUpdate::Paused | PauseUpdate::Other => {}
+                PauseUpdate::Resumed => return Waited::Resumed,
+                // A new pause (a probe failed, another claimed one): read it.
+                PauseUpdate::Paused { .. } => break,
+                PauseUpdate::Other => {}
                 PauseUpdate::Unknown => {
                     // A closed watch answers at once: wait out the recheck.
                     tokio::select! {
-                        () = cancel.cancelled() => return true,
+                        () = cancel.cancelled() => return Waited::Cancelled,
                         () = &mut recheck => {}
                     }
                     break;

@@ -27,7 +27,7 @@ use crate::member::pin::{announce_pinned, announce_standby, announce_unpinned, p
 use crate::member::pull::{classify, OpenPulls, PullRequest, Reply};
 use crate::member_ref::{MemberRef, Owner};
 use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
-use crate::pauses::{pause_key, pause_update, wait_while_paused, PauseUpdate, PAUSES_BUCKET};
+use crate::pauses::{pause_key, pause_update, wait_while_paused, PauseUpdate, Waited, PAUSES_BUCKET};
 
 /// How long one pull waits at the server.
 const PULL_EXPIRY: Duration = Duration::from_secs(5);
@@ -67,7 +67,7 @@ pub async fn serve_consumer_webhook(
         min_ack_pending: None,
         concurrency: 1,
     });
-    serve_consumer(ctx, target, Arc::new(Endpoint::Webhook { registration, key }), options, cancel).await;
+    serve_consumer(ctx, target, Arc::new(Endpoint::webhook(registration, key)), options, cancel).await;
 }
 
 /// Serves `target` through `endpoint` (a webhook or a WebSocket) until `cancel`.
@@ -84,12 +84,24 @@ pub async fn serve_consumer(
         MemberRef { stream: target.stream.clone(), group, member: target.subscriber.clone(), owner: Owner::Consumer };
     while !cancel.is_cancelled() {
         // Taken before the flag is read, so no pause falls between.
-        let pause_updates = ctx.config_watch.subscribe(PAUSES_BUCKET);
+        let mut pause_updates = ctx.config_watch.subscribe(PAUSES_BUCKET);
         if !matches!(ctx.pauses.get(&who).await, Ok(None)) {
-            if wait_while_paused(&ctx.pauses, &who, pause_updates, &cancel).await {
-                return;
+            let probe = endpoint.probe_lease().map(|lease| (ctx.instance_id.as_str(), lease));
+            match wait_while_paused(&ctx.pauses, &who, probe, pause_updates, &cancel).await {
+                Waited::Cancelled => return,
+                Waited::Resumed => {
+                    if let Some(protection) = endpoint.protection() {
+                        protection.reset();
+                    }
+                    continue;
+                }
+                Waited::Probe => {
+                    if let Some(protection) = endpoint.protection() {
+                        protection.start_probe();
+                    }
+                    pause_updates = ctx.config_watch.subscribe(PAUSES_BUCKET);
+                }
             }
-            continue;
         }
         match Box::pin(serve_once(&ctx, &target, &who, &endpoint, options, pause_updates, &cancel)).await {
             Ok(Ended::Shutdown) => return,
@@ -124,6 +136,10 @@ async fn serve_once(
     cancel: &CancellationToken,
 ) -> Result<Ended, String> {
     let pause_key = pause_key(who);
+    // A breaker's probe: one delivery at a time, this instance's own claim
+    // does not pause it, and the resume (the probe succeeded) starts over at
+    // full width.
+    let probing = endpoint.protection().is_some_and(|p| p.probing());
     let stream = ctx.js.get_stream(target.stream.as_str()).await.map_err(|e| e.to_string())?;
     // Only a partition-stamped stream's subjects start with a partition token.
     let partitioning = Partitioning::IfStamped(stream.cached_info().config.subject_transform.is_some());
@@ -146,7 +162,7 @@ async fn serve_once(
     let mut renew = tokio::time::interval(RENEW_EVERY);
     let mut pulls = OpenPulls::new(ctx.nats.new_inbox());
     let mut replies = ctx.nats.subscribe(pulls.reply_filter()).await.map_err(|e| e.to_string())?;
-    let concurrency = options.concurrency.max(1);
+    let concurrency = if probing { 1 } else { options.concurrency.max(1) };
     // Held messages (in flight + queued, kept alive with progress acks) and
     // messages asked for stay within `max_held`, so a burst goes to this
     // subscriber rather than past it to a lower priority; when it holds
@@ -197,7 +213,9 @@ async fn serve_once(
         tokio::select! {
             () = cancel.cancelled() => break Ok(Ended::Shutdown),
             update = pauses.recv() => match pause_update(&pause_key, update) {
-                PauseUpdate::Paused | PauseUpdate::Unknown => break Ok(Ended::Paused),
+                PauseUpdate::Paused { probing_by } if probing && probing_by.as_deref() == Some(ctx.instance_id.as_str()) => {}
+                PauseUpdate::Paused { .. } | PauseUpdate::Unknown => break Ok(Ended::Paused),
+                PauseUpdate::Resumed if probing => break Ok(Ended::Paused),
                 PauseUpdate::Resumed | PauseUpdate::Other => {}
             },
             done = deliveries.join_next(), if !deliveries.is_empty() => {

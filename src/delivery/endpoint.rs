@@ -4,37 +4,72 @@
 use std::sync::Arc;
 
 use super::frames::ServerFrame;
+use super::protection::Protection;
 use super::signing::SigningKey;
 use super::webhook::{Backoff, Registration};
 use super::websocket::SocketEndpoint;
 
 /// A member instance's endpoint.
 pub enum Endpoint {
-    Webhook { registration: Registration, key: SigningKey },
+    Webhook(Box<WebhookEndpoint>),
     Socket(Arc<SocketEndpoint>),
 }
 
+/// A webhook as one instance calls it.
+pub struct WebhookEndpoint {
+    pub registration: Registration,
+    pub key: SigningKey,
+    pub protection: Protection,
+}
+
 impl Endpoint {
+    /// A webhook endpoint with the rate limit and breaker its registration asks for.
+    pub fn webhook(registration: Registration, key: SigningKey) -> Self {
+        let protection = Protection::of(&registration);
+        Self::Webhook(Box::new(WebhookEndpoint { registration, key, protection }))
+    }
+
+    /// The rate limit and breaker (none for a WebSocket: the client paces itself).
+    pub fn protection(&self) -> Option<&Protection> {
+        match self {
+            Self::Webhook(webhook) => Some(&webhook.protection),
+            Self::Socket(_) => None,
+        }
+    }
+
     /// Deliveries of one message before it is dead-lettered.
     pub fn max_attempts(&self) -> u64 {
         match self {
-            Self::Webhook { registration, .. } => registration.max_attempts,
+            Self::Webhook(webhook) => webhook.registration.max_attempts,
             Self::Socket(socket) => socket.max_attempts,
         }
     }
 
-    /// Most deliveries in flight at once, when the registration sets it.
+    /// Most deliveries in flight at once, when the registration sets it;
+    /// one while the breaker probes.
     pub fn max_in_flight(&self) -> Option<usize> {
         match self {
-            Self::Webhook { registration, .. } => registration.max_in_flight,
+            Self::Webhook(webhook) if webhook.protection.probing() => Some(1),
+            Self::Webhook(webhook) => webhook.registration.max_in_flight,
             Self::Socket(socket) => socket.max_in_flight,
         }
+    }
+
+    /// How long a claimed breaker probe holds before another replica may
+    /// claim it: the probe interval, or long enough for a delivery to
+    /// time out twice. `None` when the endpoint has no probing breaker.
+    pub fn probe_lease(&self) -> Option<std::time::Duration> {
+        let Self::Webhook(webhook) = self else { return None };
+        let WebhookEndpoint { registration, protection, .. } = &**webhook;
+        let interval = std::time::Duration::from_millis(protection.breaker()?.probe_interval_ms?);
+        let delivery = std::time::Duration::from_millis(registration.timeout_ms);
+        Some(interval.max(delivery * 2 + std::time::Duration::from_secs(30)))
     }
 
     /// Retry backoff when the endpoint names no delay.
     pub fn backoff(&self) -> Backoff {
         match self {
-            Self::Webhook { registration, .. } => registration.backoff,
+            Self::Webhook(webhook) => webhook.registration.backoff,
             Self::Socket(socket) => socket.backoff,
         }
     }

@@ -6,6 +6,7 @@ pub mod destination;
 pub mod endpoint;
 pub mod frames;
 pub mod message;
+pub mod protection;
 pub mod signing;
 pub mod verdict;
 pub mod webhook;

@@ -23,8 +23,20 @@ pub struct Judgement {
     pub verdict: Verdict,
     /// 410 Gone: stop serving this member at this URL.
     pub gone: bool,
+    /// The endpoint failed: no 2xx answer (an error status, a timeout, no
+    /// connection). What a circuit breaker counts.
+    pub failed: bool,
     /// Human-readable reason (for events, blocked partitions, dead letters).
     pub reason: String,
+}
+
+/// What a registration says about retrying, beside the fixed rules.
+#[derive(Debug, Clone, Copy)]
+pub struct RetryPolicy<'a> {
+    /// Longest `Retry-After` honoured.
+    pub max_retry_after: Duration,
+    /// 4xx statuses retried (with backoff) rather than terminating.
+    pub retry_statuses: &'a [u16],
 }
 
 /// What came back from one webhook call.
@@ -47,26 +59,33 @@ pub enum Response<'a> {
 }
 
 fn judgement(verdict: Verdict, reason: impl Into<String>) -> Judgement {
-    Judgement { verdict, gone: false, reason: reason.into() }
+    Judgement { verdict, gone: false, failed: false, reason: reason.into() }
+}
+
+fn failure(verdict: Verdict, reason: impl Into<String>) -> Judgement {
+    Judgement { failed: true, ..judgement(verdict, reason) }
 }
 
 /// The verdict for a webhook response (docs/architecture.md, "Webhook delivery").
-/// `max_retry_after` caps a `Retry-After` the endpoint asks for.
-pub fn judge(response: &Response<'_>, now: SystemTime, max_retry_after: Duration) -> Judgement {
+/// `policy.max_retry_after` caps a `Retry-After` the endpoint asks for.
+pub fn judge(response: &Response<'_>, now: SystemTime, policy: RetryPolicy<'_>) -> Judgement {
+    let max_retry_after = policy.max_retry_after;
     let (status, retry_after, keygate_ack, body) = match response {
-        Response::Timeout => return judgement(Verdict::Nak { delay: None }, "the endpoint did not answer in time"),
+        Response::Timeout => return failure(Verdict::Nak { delay: None }, "the endpoint did not answer in time"),
         Response::ConnectionError(e) => {
-            return judgement(Verdict::Nak { delay: None }, format!("could not reach the endpoint: {e}"))
+            return failure(Verdict::Nak { delay: None }, format!("could not reach the endpoint: {e}"))
         }
         Response::Http { status, retry_after, keygate_ack, body } => (*status, *retry_after, *keygate_ack, *body),
     };
+    let failed = !(200..=299).contains(&status);
     if let Some(header) = keygate_ack {
         if let Some(verdict) = parse_keygate_ack(header) {
             let verdict = match verdict {
                 Verdict::Nak { delay } => Verdict::Nak { delay: delay.map(|d| d.min(max_retry_after)) },
                 other => other,
             };
-            return judgement(verdict, format!("keygate-ack: {header} (status {status})"));
+            let reason = format!("keygate-ack: {header} (status {status})");
+            return Judgement { failed, ..judgement(verdict, reason) };
         }
     }
     match status {
@@ -77,15 +96,19 @@ pub fn judge(response: &Response<'_>, now: SystemTime, max_retry_after: Duration
         },
         429 | 503 if retry_after.is_some() => {
             let delay = retry_after.and_then(|v| parse_retry_after(v, now)).map(|d| d.min(max_retry_after));
-            judgement(Verdict::Nak { delay }, format!("{status} with Retry-After: {}", retry_after.unwrap_or_default()))
+            failure(Verdict::Nak { delay }, format!("{status} with Retry-After: {}", retry_after.unwrap_or_default()))
         }
-        408 | 425 | 429 | 500..=599 => judgement(Verdict::Nak { delay: None }, format!("{status}")),
+        408 | 425 | 429 | 500..=599 => failure(Verdict::Nak { delay: None }, format!("{status}")),
+        s if policy.retry_statuses.contains(&s) => {
+            failure(Verdict::Nak { delay: None }, format!("{status} (retried: the registration's retry_statuses)"))
+        }
         410 => Judgement {
             verdict: Verdict::Term,
             gone: true,
+            failed: true,
             reason: "410 Gone: the endpoint stopped this member".into(),
         },
-        _ => judgement(Verdict::Term, format!("{status}: the endpoint refused the message")),
+        _ => failure(Verdict::Term, format!("{status}: the endpoint refused the message")),
     }
 }
 
@@ -159,6 +182,7 @@ mod tests {
     use super::*;
 
     const CAP: Duration = Duration::from_secs(300);
+    const POLICY: RetryPolicy<'static> = RetryPolicy { max_retry_after: CAP, retry_statuses: &[] };
 
     fn http<'a>(
         status: u16,
@@ -212,9 +236,36 @@ mod tests {
             (Response::ConnectionError("refused".into()), nak(None), false),
         ];
         for (response, verdict, gone) in table {
-            let j = judge(&response, now, CAP);
+            let j = judge(&response, now, POLICY);
             assert_eq!((j.verdict, j.gone), (verdict, gone), "{response:?}");
             assert!(!j.reason.is_empty());
+        }
+    }
+
+    #[test]
+    fn retry_statuses_retry_what_would_terminate_and_failures_are_what_is_not_2xx() {
+        let now = SystemTime::now();
+        let retrying = RetryPolicy { max_retry_after: CAP, retry_statuses: &[404, 410] };
+        let http = |status| Response::Http { status, retry_after: None, keygate_ack: None, body: b"" };
+        assert_eq!(judge(&http(404), now, retrying).verdict, Verdict::Nak { delay: None });
+        let gone = judge(&http(410), now, retrying);
+        assert_eq!((gone.verdict, gone.gone), (Verdict::Nak { delay: None }, false), "410 listed: retried, not gone");
+        assert_eq!(judge(&http(400), now, retrying).verdict, Verdict::Term, "only the listed statuses");
+        let told = Response::Http { status: 404, retry_after: None, keygate_ack: Some("term"), body: b"" };
+        assert_eq!(judge(&told, now, retrying).verdict, Verdict::Term, "keygate-ack still overrides");
+        for (response, failed) in [
+            (http(200), false),
+            (
+                Response::Http { status: 200, retry_after: None, keygate_ack: None, body: br#"{"status":"RETRY"}"# },
+                false,
+            ),
+            (http(500), true),
+            (http(404), true),
+            (Response::Timeout, true),
+            (Response::ConnectionError("refused".into()), true),
+            (Response::Http { status: 500, retry_after: None, keygate_ack: Some("ack"), body: b"" }, true),
+        ] {
+            assert_eq!(judge(&response, now, POLICY).failed, failed, "{response:?}");
         }
     }
 
@@ -245,7 +296,7 @@ mod tests {
                 body: b"",
             },
             SystemTime::now(),
-            CAP,
+            POLICY,
         );
         assert_eq!(j.verdict, Verdict::Nak { delay: Some(CAP) }, "keygate-ack delays are capped too");
     }

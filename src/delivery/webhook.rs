@@ -11,7 +11,7 @@ use utoipa::ToSchema;
 
 use super::destination::{DestinationPolicy, PolicyResolver};
 use super::signing::SigningKey;
-use super::verdict::{judge, Judgement, Response};
+use super::verdict::{judge, Judgement, Response, RetryPolicy};
 use crate::error::Error;
 use crate::nats::errors::{is_not_found, unavailable_or_internal};
 
@@ -37,8 +37,22 @@ impl Default for Backoff {
     }
 }
 
+/// A circuit breaker: after `failures` failed deliveries in a row (no 2xx
+/// answer), the member pauses itself on every replica; with
+/// `probe_interval_ms`, one replica then tries one message that often and
+/// resumes the member when it succeeds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BreakerSpec {
+    #[schema(minimum = 1, maximum = 100000)]
+    pub failures: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 1000, maximum = 86400000)]
+    pub probe_interval_ms: Option<u64>,
+}
+
 /// A webhook as `PUT …/members/{member}/webhook` takes it.
-#[derive(Clone, Deserialize, ToSchema)]
+#[derive(Clone, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct WebhookSpec {
     /// Where messages are POSTed.
@@ -63,6 +77,24 @@ pub struct WebhookSpec {
     #[serde(default)]
     #[schema(minimum = 1, maximum = 1000)]
     pub max_in_flight: Option<usize>,
+    /// Most messages per second sent to the endpoint (fractions allowed:
+    /// 0.5 is one every two seconds). Default: unlimited.
+    #[serde(default)]
+    #[schema(minimum = 0.001, maximum = 100000)]
+    pub max_rate: Option<f64>,
+    /// With `max_rate`: messages that may go at once after a quiet spell
+    /// (default: `max_rate` rounded up).
+    #[serde(default)]
+    #[schema(minimum = 1, maximum = 100000)]
+    pub burst: Option<u32>,
+    /// Pause the member after this many failed deliveries in a row.
+    #[serde(default)]
+    pub breaker: Option<BreakerSpec>,
+    /// 4xx statuses to retry with backoff like a 5xx (e.g. `[404]` while a
+    /// deploy rolls) instead of terminating the message.
+    #[serde(default)]
+    #[schema(max_items = 50)]
+    pub retry_statuses: Option<Vec<u16>>,
 }
 
 /// A stored registration.
@@ -79,6 +111,14 @@ pub struct Registration {
     /// Consumer subscribers only: how they pull and how many deliveries run at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub subscriber: Option<SubscriberOptions>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_rate: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub burst: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub breaker: Option<BreakerSpec>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub retry_statuses: Vec<u16>,
 }
 
 // Debug output never carries the signing secret or the URL's query string:
@@ -92,6 +132,10 @@ impl std::fmt::Debug for WebhookSpec {
             .field("max_attempts", &self.max_attempts)
             .field("backoff", &self.backoff)
             .field("max_in_flight", &self.max_in_flight)
+            .field("max_rate", &self.max_rate)
+            .field("burst", &self.burst)
+            .field("breaker", &self.breaker)
+            .field("retry_statuses", &self.retry_statuses)
             .finish()
     }
 }
@@ -106,6 +150,10 @@ impl std::fmt::Debug for Registration {
             .field("backoff", &self.backoff)
             .field("max_in_flight", &self.max_in_flight)
             .field("subscriber", &self.subscriber)
+            .field("max_rate", &self.max_rate)
+            .field("burst", &self.burst)
+            .field("breaker", &self.breaker)
+            .field("retry_statuses", &self.retry_statuses)
             .finish()
     }
 }
@@ -142,6 +190,14 @@ pub struct WebhookView {
     /// Most deliveries in flight at once, when set.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_in_flight: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_rate: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub burst: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub breaker: Option<BreakerSpec>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub retry_statuses: Vec<u16>,
     /// The signing secret: only in the answer that generated it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub secret: Option<String>,
@@ -161,6 +217,36 @@ pub fn check_max_in_flight(max_in_flight: Option<usize>) -> Result<(), Error> {
         }
         _ => Ok(()),
     }
+}
+
+/// Refuses rate, breaker and retry settings keygate cannot apply.
+fn check_protection(spec: &WebhookSpec) -> Result<(), Error> {
+    let bad = |m: &str| Err(Error::Invalid(m.to_owned()));
+    match (spec.max_rate, spec.burst) {
+        (Some(rate), _) if !(0.001..=100_000.0).contains(&rate) => {
+            return bad("max_rate must be between 0.001 and 100000")
+        }
+        (None, Some(_)) => return bad("burst needs max_rate"),
+        (_, Some(burst)) if !(1..=100_000).contains(&burst) => return bad("burst must be between 1 and 100000"),
+        _ => {}
+    }
+    if let Some(breaker) = spec.breaker {
+        if !(1..=100_000).contains(&breaker.failures) {
+            return bad("breaker.failures must be between 1 and 100000");
+        }
+        if breaker.probe_interval_ms.is_some_and(|ms| !(1000..=86_400_000).contains(&ms)) {
+            return bad("breaker.probe_interval_ms must be between 1000 and 86400000");
+        }
+    }
+    if let Some(statuses) = &spec.retry_statuses {
+        if statuses.len() > 50 {
+            return bad("retry_statuses takes at most 50 statuses");
+        }
+        if statuses.iter().any(|s| !(400..=499).contains(s)) {
+            return bad("retry_statuses are 4xx statuses (5xx, 408, 425 and 429 are always retried)");
+        }
+    }
+    Ok(())
 }
 
 /// The registration key of a member.
@@ -238,6 +324,7 @@ impl WebhookStore {
         if let Some(secret) = &spec.secret {
             SigningKey::parse(secret).map_err(|e| Error::Invalid(e.to_string()))?;
         }
+        check_protection(&spec)?;
         let store = self.bucket().await?;
         let existing = self.read(&store, key).await?;
         let mut generated = None;
@@ -250,9 +337,19 @@ impl WebhookStore {
                 new
             }
         };
-        let max_in_flight = spec.max_in_flight;
-        let registration =
-            Registration { url: url.to_string(), secret, timeout_ms, max_attempts, backoff, max_in_flight, subscriber };
+        let registration = Registration {
+            url: url.to_string(),
+            secret,
+            timeout_ms,
+            max_attempts,
+            backoff,
+            max_in_flight: spec.max_in_flight,
+            subscriber,
+            max_rate: spec.max_rate,
+            burst: spec.burst,
+            breaker: spec.breaker,
+            retry_statuses: spec.retry_statuses.unwrap_or_default(),
+        };
         let bytes = Bytes::from(serde_json::to_vec(&registration).unwrap_or_default());
         store.put(key, bytes).await.map_err(|e| unavailable_or_internal("storing webhook", e))?;
         Ok((existing.is_none(), registration, generated))
@@ -342,6 +439,7 @@ impl WebhookClient {
     /// POSTs one message and judges the answer.
     pub async fn call(&self, registration: &Registration, key: &SigningKey, outbound: &Outbound) -> Judgement {
         let now = SystemTime::now();
+        let policy = RetryPolicy { max_retry_after: MAX_RETRY_AFTER, retry_statuses: &registration.retry_statuses };
         let timestamp = now.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
         let signature = key.sign(&outbound.id, timestamp, &outbound.body);
         if let Ok(url) = reqwest::Url::parse(&registration.url) {
@@ -349,7 +447,7 @@ impl WebhookClient {
             {
                 if !self.policy.host_listed(url.host_str().unwrap_or_default()) {
                     if let Some(why) = self.policy.refuse_address(ip) {
-                        return judge(&Response::ConnectionError(why), now, MAX_RETRY_AFTER);
+                        return judge(&Response::ConnectionError(why), now, policy);
                     }
                 }
             }
@@ -366,17 +464,17 @@ impl WebhookClient {
         }
         let response = match request.body(outbound.body.clone()).send().await {
             Ok(r) => r,
-            Err(e) if e.is_timeout() => return judge(&Response::Timeout, now, MAX_RETRY_AFTER),
+            Err(e) if e.is_timeout() => return judge(&Response::Timeout, now, policy),
             // reqwest names the URL in its errors; its query string is often
             // a token, and this text reaches events and dead letters.
-            Err(e) => return judge(&Response::ConnectionError(error_chain(&e.without_url())), now, MAX_RETRY_AFTER),
+            Err(e) => return judge(&Response::ConnectionError(error_chain(&e.without_url())), now, policy),
         };
         let status = response.status().as_u16();
         let header = |name: &str| response.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
         let (retry_after, keygate_ack) = (header("retry-after"), header("keygate-ack"));
         let body = match read_capped(response).await {
             Ok(body) => body,
-            Err(e) if e.is_timeout() => return judge(&Response::Timeout, now, MAX_RETRY_AFTER),
+            Err(e) if e.is_timeout() => return judge(&Response::Timeout, now, policy),
             Err(_) => Vec::new(),
         };
         judge(
@@ -387,7 +485,7 @@ impl WebhookClient {
                 body: &body,
             },
             now,
-            MAX_RETRY_AFTER,
+            policy,
         )
     }
 }
@@ -444,6 +542,10 @@ mod tests {
             backoff: Backoff { initial_ms: 1, max_ms: 1 },
             max_in_flight: None,
             subscriber: None,
+            max_rate: None,
+            burst: None,
+            breaker: None,
+            retry_statuses: vec![],
         };
         let shown = format!("{registration:?}");
         for secret in ["whsec_c2VjcmV0c2VjcmV0", "abc123", "pw@", "frag"] {

@@ -65,6 +65,7 @@ impl SocketEndpoint {
         let closed = || Judgement {
             verdict: Verdict::Nak { delay: Some(Duration::ZERO) },
             gone: false,
+            failed: false,
             reason: "the WebSocket closed before a verdict".into(),
         };
         let sent = tokio::select! {
@@ -81,7 +82,9 @@ impl SocketEndpoint {
         };
         self.awaiting().remove(&id);
         match answer {
-            Some(ClientFrame::Ack { .. }) => Judgement { verdict: Verdict::Ack, gone: false, reason: "acked".into() },
+            Some(ClientFrame::Ack { .. }) => {
+                Judgement { verdict: Verdict::Ack, gone: false, failed: false, reason: "acked".into() }
+            }
             // Capped like a webhook's Retry-After: a huge delay would hold
             // the partition (and every later holder's barrier) for ever.
             Some(ClientFrame::Nak { delay_ms, .. }) => Judgement {
@@ -89,11 +92,15 @@ impl SocketEndpoint {
                     delay: delay_ms.map(|ms| Duration::from_millis(ms).min(super::webhook::MAX_RETRY_AFTER)),
                 },
                 gone: false,
+                failed: false,
                 reason: "NAK'd by the client".into(),
             },
-            Some(ClientFrame::Term { .. }) => {
-                Judgement { verdict: Verdict::Term, gone: false, reason: "terminated by the client".into() }
-            }
+            Some(ClientFrame::Term { .. }) => Judgement {
+                verdict: Verdict::Term,
+                gone: false,
+                failed: false,
+                reason: "terminated by the client".into(),
+            },
             Some(ClientFrame::Progress { .. }) | None => closed(),
         }
     }

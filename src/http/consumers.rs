@@ -228,7 +228,7 @@ pub async fn put_subscriber(
         timeout_ms: spec.timeout_ms,
         max_attempts: spec.max_attempts,
         backoff: spec.backoff,
-        max_in_flight: None,
+        ..Default::default()
     };
     let key = format!("{stream}.{consumer}.{subscriber}");
     let (created, registration, secret) = state.consumer_webhooks.put_with(&key, webhook, Some(options)).await?;

@@ -90,7 +90,7 @@ async fn pause(
         return Err(ApiError::BadRequest(format!("reason must be at most {MAX_REASON} characters on one line")));
     }
     let by = actor(caller);
-    let asked = Pause { paused_by: by.clone(), since: time::OffsetDateTime::now_utc(), reason };
+    let asked = Pause::by(by.clone(), reason);
     let (pause, new) = state.pauses.pause(&who, asked).await?;
     if new {
         let instance = state.instances.as_ref().map_or("keygate", |i| i.instance_id.as_str());

@@ -25,6 +25,10 @@ fn view(
         max_attempts: r.max_attempts,
         max_in_flight: r.max_in_flight,
         backoff: r.backoff,
+        max_rate: r.max_rate,
+        burst: r.burst,
+        breaker: r.breaker,
+        retry_statuses: r.retry_statuses,
         secret,
     }
 }

@@ -10,13 +10,15 @@ use async_nats::jetstream::AckKind;
 use super::context::InstanceContext;
 use super::lanes::{Settled, Settlement};
 use crate::dead_letters::{self, DeadLetter};
-use crate::delivery::endpoint::Endpoint;
+use crate::delivery::endpoint::{Endpoint, WebhookEndpoint};
 use crate::delivery::header_safe;
 use crate::delivery::message::{forwardable, Delivered, Held};
+use crate::delivery::protection::{BreakerStep, Protection};
 use crate::delivery::verdict::{backoff, Judgement, Verdict};
 use crate::delivery::webhook::Outbound;
 use crate::events::{About, Event};
 use crate::member_ref::MemberRef;
+use crate::pauses::{Pause, BREAKER};
 
 /// What lets a message leave its consumer. Nothing else does: every ack and
 /// term keygate sends goes through [`remove`] with one of these
@@ -107,18 +109,33 @@ pub async fn deliver(
 ) -> Outcome {
     let labels = [("stream", who.stream.to_string()), ("group", who.group.to_string())];
     let called = std::time::Instant::now();
+    let mut events = Vec::new();
     let judgement = match &*endpoint {
-        Endpoint::Webhook { registration, key } => {
-            ctx.webhooks.call(registration, key, &outbound(&who, &held, fencing)).await
+        Endpoint::Webhook(webhook) if webhook.protection.open() => Judgement {
+            verdict: Verdict::Nak { delay: None },
+            gone: false,
+            failed: false,
+            reason: "not sent: the circuit breaker is open and the member is pausing".into(),
+        },
+        Endpoint::Webhook(webhook) => {
+            let WebhookEndpoint { registration, key, protection } = &**webhook;
+            protection.wait_turn().await;
+            let judgement = ctx.webhooks.call(registration, key, &outbound(&who, &held, fencing)).await;
+            metrics::histogram!(crate::metrics::ENDPOINT_SECONDS, &labels).record(called.elapsed().as_secs_f64());
+            let step = protection.record(judgement.failed);
+            Box::pin(breaker_step(&ctx, &who, protection, step, &judgement, &mut events)).await;
+            judgement
         }
-        Endpoint::Socket(socket) => socket.call(&who, &held, fencing).await,
+        Endpoint::Socket(socket) => {
+            let judgement = socket.call(&who, &held, fencing).await;
+            metrics::histogram!(crate::metrics::ENDPOINT_SECONDS, &labels).record(called.elapsed().as_secs_f64());
+            judgement
+        }
     };
-    metrics::histogram!(crate::metrics::ENDPOINT_SECONDS, &labels).record(called.elapsed().as_secs_f64());
     if held.attempt > 1 {
         metrics::counter!(crate::metrics::REDELIVERIES, &labels).increment(1);
     }
     let about = ctx.about(&who);
-    let mut events = Vec::new();
     let retry = |delay: Option<Duration>| {
         delay.unwrap_or_else(|| {
             let b = endpoint.backoff();
@@ -179,6 +196,51 @@ async fn nak(about: About<'_>, held: &Delivered, delay: Duration, error: &str, e
     }
     events.push(Event::message_naked(about, held.at(), delay, error));
     Settled::Naked { attempts: held.attempt, error: error.to_owned() }
+}
+
+/// What a breaker's step does: trips pause the member on every replica, a
+/// probe's outcome resumes it or schedules the next probe. The message's
+/// own verdict is applied as usual either way.
+async fn breaker_step(
+    ctx: &InstanceContext,
+    who: &MemberRef,
+    protection: &Protection,
+    step: BreakerStep,
+    judgement: &Judgement,
+    events: &mut Vec<Event>,
+) {
+    let about = ctx.about(who);
+    match step {
+        BreakerStep::Nothing => {}
+        BreakerStep::Trip { failures } => {
+            let probe_every = protection.breaker().and_then(|b| b.probe_interval_ms).map(Duration::from_millis);
+            let why = format!("{failures} deliveries in a row failed (last: {})", judgement.reason);
+            match ctx.pauses.pause(who, Pause::by_breaker(why, probe_every)).await {
+                Ok((pause, true)) => {
+                    metrics::counter!(crate::metrics::BREAKER_TRIPS, "stream" => who.stream.to_string(), "group" => who.group.to_string())
+                        .increment(1);
+                    tracing::warn!(member = %who.member, reason = pause.reason.as_deref().unwrap_or_default(), "circuit breaker tripped: member paused");
+                    events.push(Event::member_paused(about, BREAKER, pause.reason.as_deref()));
+                }
+                Ok((_, false)) => {}
+                // The count stays tripped; the next failures are the same
+                // endpoint failing, and the operator sees them as NAKs.
+                Err(e) => {
+                    tracing::warn!(member = %who.member, error = %e, "circuit breaker could not pause the member")
+                }
+            }
+        }
+        BreakerStep::ProbeSucceeded => match ctx.pauses.resume(who).await {
+            Ok(Some(_)) => events.push(Event::member_resumed(about, BREAKER)),
+            Ok(None) => {}
+            Err(e) => tracing::warn!(member = %who.member, error = %e, "circuit breaker could not resume the member"),
+        },
+        BreakerStep::ProbeFailed => {
+            if let Err(e) = ctx.pauses.probe_failed(who).await {
+                tracing::warn!(member = %who.member, error = %e, "circuit breaker could not schedule its next probe");
+            }
+        }
+    }
 }
 
 /// Copies the message to the dead-letter stream, then terminates it: it is

@@ -21,7 +21,7 @@ use crate::groups::spec::filter_subjects_of;
 use crate::groups::store::{DEFAULT_ACK_WAIT_MS, SETTINGS_BUCKET};
 use crate::groups::{GroupConfig, GroupKind};
 use crate::member_ref::MemberRef;
-use crate::pauses::{wait_while_paused, PAUSES_BUCKET};
+use crate::pauses::{wait_while_paused, Waited, PAUSES_BUCKET};
 
 /// Serves `who` through its webhook until `cancel`.
 pub async fn serve_webhook(
@@ -37,7 +37,7 @@ pub async fn serve_webhook(
             return;
         }
     };
-    serve_member(ctx, who, Arc::new(Endpoint::Webhook { registration, key }), cancel).await;
+    serve_member(ctx, who, Arc::new(Endpoint::webhook(registration, key)), cancel).await;
 }
 
 /// Serves `who` through `endpoint` until `cancel`: joins the member's
@@ -65,13 +65,26 @@ pub async fn serve_member(
         // Taken before the configuration is read, so no update falls between.
         let updates = (ctx.config_watch.subscribe(STATIC_BUCKET), ctx.config_watch.subscribe(ELASTIC_BUCKET));
         let settings_updates = ctx.config_watch.subscribe(SETTINGS_BUCKET);
-        let pause_updates = ctx.config_watch.subscribe(PAUSES_BUCKET);
+        let mut pause_updates = ctx.config_watch.subscribe(PAUSES_BUCKET);
         if !matches!(ctx.pauses.get(&who).await, Ok(None)) {
             // Paused (or its flag unreadable): no pulls, so no pin.
-            if wait_while_paused(&ctx.pauses, &who, pause_updates, &cancel).await {
-                return;
+            let probe = endpoint.probe_lease().map(|lease| (ctx.instance_id.as_str(), lease));
+            match wait_while_paused(&ctx.pauses, &who, probe, pause_updates, &cancel).await {
+                Waited::Cancelled => return,
+                Waited::Resumed => {
+                    if let Some(protection) = endpoint.protection() {
+                        protection.reset();
+                    }
+                    continue;
+                }
+                // Joins as usual, with one message in flight until it is judged.
+                Waited::Probe => {
+                    if let Some(protection) = endpoint.protection() {
+                        protection.start_probe();
+                    }
+                    pause_updates = ctx.config_watch.subscribe(PAUSES_BUCKET);
+                }
             }
-            continue;
         }
         let stored = match Box::pin(ctx.groups.load(&who.stream, &who.group, None)).await {
             Ok(g) => g,
@@ -159,8 +172,8 @@ pub async fn serve_member(
             // The loop's next turn finds the flag and waits.
             SessionEnd::Paused => {}
             SessionEnd::Gone => {
-                if let Endpoint::Webhook { registration, .. } = &*endpoint {
-                    Box::pin(deregister(&ctx, &who, registration)).await;
+                if let Endpoint::Webhook(webhook) = &*endpoint {
+                    Box::pin(deregister(&ctx, &who, &webhook.registration)).await;
                 }
                 return;
             }

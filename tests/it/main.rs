@@ -16,6 +16,7 @@ mod key_order;
 mod node_loss;
 mod openapi;
 mod pauses;
+mod protection;
 mod publish;
 mod serve;
 mod streams;

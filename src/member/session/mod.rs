@@ -156,6 +156,10 @@ impl Session {
         mut pauses: Receiver<Arc<Entry>>,
     ) -> SessionEnd {
         let pause_key = crate::pauses::pause_key(self.who());
+        // A breaker's probe: this instance's own claim does not pause it, and
+        // the member's resume (the probe succeeded) rejoins at full width.
+        let probing = self.shared.endpoint.protection().is_some_and(|p| p.probing());
+        let instance_id = self.ctx().instance_id.clone();
         let Ok(mut replies) = self.ctx().nats.subscribe(self.pulls.reply_filter()).await else {
             return SessionEnd::ConsumerGone;
         };
@@ -206,8 +210,10 @@ impl Session {
                     }
                 }
                 update = pauses.recv() => match crate::pauses::pause_update(&pause_key, update) {
+                    PauseUpdate::Paused { probing_by } if probing && probing_by.as_deref() == Some(instance_id.as_str()) => {}
                     // Missed updates: the instance reads the flag before it joins again.
-                    PauseUpdate::Paused | PauseUpdate::Unknown => break SessionEnd::Paused,
+                    PauseUpdate::Paused { .. } | PauseUpdate::Unknown => break SessionEnd::Paused,
+                    PauseUpdate::Resumed if probing => break SessionEnd::Rejoin { pinned: self.pin.is_pinned() },
                     PauseUpdate::Resumed | PauseUpdate::Other => {}
                 },
             }
