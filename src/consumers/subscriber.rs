@@ -18,7 +18,6 @@ use super::shuffle_window::ShuffleWindow;
 use super::window_share::{WindowShare, RENEW_EVERY};
 use crate::delivery::endpoint::Endpoint;
 use crate::delivery::message::{Delivered, Held, Partitioning};
-use crate::delivery::signing::SigningKey;
 use crate::delivery::webhook::{Registration, SubscriberOptions};
 use crate::member::context::InstanceContext;
 use crate::member::deliver::deliver;
@@ -57,17 +56,17 @@ pub async fn serve_consumer_webhook(
     registration: Registration,
     cancel: CancellationToken,
 ) {
-    let Ok(key) = SigningKey::parse(&registration.secret) else {
-        tracing::error!(consumer = %target.consumer, "subscriber registration has an unusable secret");
-        return;
-    };
     let options = registration.subscriber.unwrap_or(SubscriberOptions {
         priority: None,
         min_pending: None,
         min_ack_pending: None,
         concurrency: 1,
     });
-    serve_consumer(ctx, target, Arc::new(Endpoint::webhook(registration, key)), options, cancel).await;
+    let Ok(endpoint) = Endpoint::webhook(registration) else {
+        tracing::error!(consumer = %target.consumer, "subscriber registration has an unusable secret");
+        return;
+    };
+    serve_consumer(ctx, target, Arc::new(endpoint), options, cancel).await;
 }
 
 /// Serves `target` through `endpoint` (a webhook or a WebSocket) until `cancel`.

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use super::frames::ServerFrame;
 use super::protection::Protection;
-use super::signing::SigningKey;
+use super::signing::{SecretError, Signer};
 use super::webhook::{Backoff, Registration};
 use super::websocket::SocketEndpoint;
 
@@ -18,15 +18,17 @@ pub enum Endpoint {
 /// A webhook as one instance calls it.
 pub struct WebhookEndpoint {
     pub registration: Registration,
-    pub key: SigningKey,
+    pub signer: Signer,
     pub protection: Protection,
 }
 
 impl Endpoint {
-    /// A webhook endpoint with the rate limit and breaker its registration asks for.
-    pub fn webhook(registration: Registration, key: SigningKey) -> Self {
+    /// A webhook endpoint with the signing keys, rate limit and breaker its
+    /// registration holds.
+    pub fn webhook(registration: Registration) -> Result<Self, SecretError> {
+        let signer = registration.signer()?;
         let protection = Protection::of(&registration);
-        Self::Webhook(Box::new(WebhookEndpoint { registration, key, protection }))
+        Ok(Self::Webhook(Box::new(WebhookEndpoint { registration, signer, protection })))
     }
 
     /// The rate limit and breaker (none for a WebSocket: the client paces itself).

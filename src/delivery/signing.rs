@@ -54,6 +54,39 @@ impl SigningKey {
     }
 }
 
+/// The keys a delivery is signed with: the current one and, during a
+/// rotation's overlap, the one before it, so receivers switch without
+/// downtime (Standard Webhooks lists several signatures, space-separated).
+#[derive(Debug, Clone)]
+pub struct Signer {
+    current: SigningKey,
+    previous: Option<(SigningKey, std::time::SystemTime)>,
+}
+
+impl Signer {
+    /// `previous` is the rotated-out secret and when its overlap ends.
+    pub fn new(current: &str, previous: Option<(&str, std::time::SystemTime)>) -> Result<Self, SecretError> {
+        let previous = match previous {
+            Some((secret, until)) => Some((SigningKey::parse(secret)?, until)),
+            None => None,
+        };
+        Ok(Self { current: SigningKey::parse(current)?, previous })
+    }
+
+    /// The `webhook-signature` header value at `now`: the current key's
+    /// signature, then the previous key's while its overlap lasts.
+    pub fn sign(&self, id: &str, timestamp: i64, body: &[u8], now: std::time::SystemTime) -> String {
+        let mut signature = self.current.sign(id, timestamp, body);
+        if let Some((previous, until)) = &self.previous {
+            if now < *until {
+                signature.push(' ');
+                signature.push_str(&previous.sign(id, timestamp, body));
+            }
+        }
+        signature
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -64,6 +97,22 @@ mod tests {
         let key = SigningKey::parse("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
         let signature = key.sign("msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330, br#"{"test": 2432232314}"#);
         assert_eq!(signature, "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=");
+    }
+
+    #[test]
+    fn during_an_overlap_both_keys_sign_and_after_it_only_the_new_one() {
+        let (old, new) = (SigningKey::generate(), SigningKey::generate());
+        let now = std::time::SystemTime::now();
+        let until = now + std::time::Duration::from_secs(60);
+        let signer = Signer::new(&new, Some((&old, until))).unwrap();
+        let both = signer.sign("id", 1, b"x", now);
+        let expected = format!(
+            "{} {}",
+            SigningKey::parse(&new).unwrap().sign("id", 1, b"x"),
+            SigningKey::parse(&old).unwrap().sign("id", 1, b"x")
+        );
+        assert_eq!(both, expected);
+        assert_eq!(signer.sign("id", 1, b"x", until), SigningKey::parse(&new).unwrap().sign("id", 1, b"x"));
     }
 
     #[test]

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use super::destination::{DestinationPolicy, PolicyResolver};
-use super::signing::SigningKey;
+use super::signing::{SecretError, Signer, SigningKey};
 use super::verdict::{judge, Judgement, Response, RetryPolicy};
 use crate::error::Error;
 use crate::nats::errors::{is_not_found, unavailable_or_internal};
@@ -119,6 +119,30 @@ pub struct Registration {
     pub breaker: Option<BreakerSpec>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub retry_statuses: Vec<u16>,
+    /// The secret a rotation replaced, still signing beside the new one
+    /// until `previous_secret_until` (Unix seconds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_secret: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_secret_until: Option<i64>,
+}
+
+impl Registration {
+    /// The keys its deliveries are signed with.
+    pub fn signer(&self) -> Result<Signer, SecretError> {
+        let until = |secs: i64| SystemTime::UNIX_EPOCH + Duration::from_secs(secs.max(0) as u64);
+        let previous = match (&self.previous_secret, self.previous_secret_until) {
+            (Some(secret), Some(secs)) => Some((secret.as_str(), until(secs))),
+            _ => None,
+        };
+        Signer::new(&self.secret, previous)
+    }
+
+    /// When the previous secret stops signing, if a rotation left one.
+    pub fn previous_secret_expires(&self) -> Option<time::OffsetDateTime> {
+        self.previous_secret.as_ref()?;
+        time::OffsetDateTime::from_unix_timestamp(self.previous_secret_until?).ok()
+    }
 }
 
 // Debug output never carries the signing secret or the URL's query string:
@@ -150,6 +174,8 @@ impl std::fmt::Debug for Registration {
             .field("backoff", &self.backoff)
             .field("max_in_flight", &self.max_in_flight)
             .field("subscriber", &self.subscriber)
+            .field("previous_secret", &self.previous_secret.as_ref().map(|_| "(redacted)"))
+            .field("previous_secret_until", &self.previous_secret_until)
             .field("max_rate", &self.max_rate)
             .field("burst", &self.burst)
             .field("breaker", &self.breaker)
@@ -198,6 +224,10 @@ pub struct WebhookView {
     pub breaker: Option<BreakerSpec>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub retry_statuses: Vec<u16>,
+    /// After a rotation: until when the previous secret also signs.
+    #[serde(skip_serializing_if = "Option::is_none", with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub previous_secret_expires_at: Option<time::OffsetDateTime>,
     /// The signing secret: only in the answer that generated it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub secret: Option<String>,
@@ -216,6 +246,31 @@ pub fn check_max_in_flight(max_in_flight: Option<usize>) -> Result<(), Error> {
             Err(Error::Invalid(format!("max_in_flight must be between 1 and {MAX_IN_FLIGHT}")))
         }
         _ => Ok(()),
+    }
+}
+
+/// Longest overlap of a secret rotation: a week.
+pub const MAX_ROTATION_OVERLAP_S: u64 = 7 * 24 * 3600;
+
+/// `POST …/webhook/rotate-secret`.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RotateSecret {
+    /// Seconds the old secret keeps signing beside the new one (default
+    /// 3600; 0 stops it at once; at most a week).
+    #[schema(minimum = 0, maximum = 604800)]
+    pub overlap_s: Option<u64>,
+}
+
+impl RotateSecret {
+    /// The overlap asked for, or why it is refused.
+    pub fn overlap(&self) -> Result<Duration, Error> {
+        match self.overlap_s.unwrap_or(3600) {
+            s if s > MAX_ROTATION_OVERLAP_S => {
+                Err(Error::Invalid(format!("overlap_s must be at most {MAX_ROTATION_OVERLAP_S} (a week)")))
+            }
+            s => Ok(Duration::from_secs(s)),
+        }
     }
 }
 
@@ -328,6 +383,7 @@ impl WebhookStore {
         let store = self.bucket().await?;
         let existing = self.read(&store, key).await?;
         let mut generated = None;
+        let secret_given = spec.secret.is_some();
         let secret = match (spec.secret, &existing) {
             (Some(given), _) => given,
             (None, Some(old)) => old.secret.clone(),
@@ -349,6 +405,13 @@ impl WebhookStore {
             burst: spec.burst,
             breaker: spec.breaker,
             retry_statuses: spec.retry_statuses.unwrap_or_default(),
+            // A PUT that names its secret ends any rotation's overlap; one
+            // that keeps the secret keeps it.
+            previous_secret: existing.as_ref().filter(|_| !secret_given).and_then(|old| old.previous_secret.clone()),
+            previous_secret_until: existing
+                .as_ref()
+                .filter(|_| !secret_given)
+                .and_then(|old| old.previous_secret_until),
         };
         let bytes = Bytes::from(serde_json::to_vec(&registration).unwrap_or_default());
         store.put(key, bytes).await.map_err(|e| unavailable_or_internal("storing webhook", e))?;
@@ -389,6 +452,30 @@ impl WebhookStore {
             removed += 1;
         }
         Ok(removed)
+    }
+
+    /// Replaces the registration's secret with a new one; the old one keeps
+    /// signing beside it for `overlap`. `None` when nothing is registered.
+    /// Compare-and-set: a concurrent change makes it a 409.
+    pub async fn rotate_secret(&self, key: &str, overlap: Duration) -> Result<Option<(Registration, String)>, Error> {
+        let store = self.bucket().await?;
+        let entry = store.entry(key).await.map_err(|e| unavailable_or_internal("reading webhook", e))?;
+        let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) else { return Ok(None) };
+        let Ok(mut registration) = serde_json::from_slice::<Registration>(&entry.value) else { return Ok(None) };
+        let new = SigningKey::generate();
+        let until = SystemTime::now() + overlap;
+        let until_secs = until.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
+        let old = std::mem::replace(&mut registration.secret, new.clone());
+        (registration.previous_secret, registration.previous_secret_until) =
+            if overlap.is_zero() { (None, None) } else { (Some(old), Some(until_secs)) };
+        let bytes = Bytes::from(serde_json::to_vec(&registration).unwrap_or_default());
+        match store.update(key, bytes, entry.revision).await {
+            Ok(_) => Ok(Some((registration, new))),
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                Err(Error::Conflict("the registration changed meanwhile; rotate again".into()))
+            }
+            Err(e) => Err(unavailable_or_internal("storing webhook", e)),
+        }
     }
 
     /// Removes a member's registration; every replica stops serving it.
@@ -437,11 +524,11 @@ impl WebhookClient {
     }
 
     /// POSTs one message and judges the answer.
-    pub async fn call(&self, registration: &Registration, key: &SigningKey, outbound: &Outbound) -> Judgement {
+    pub async fn call(&self, registration: &Registration, signer: &Signer, outbound: &Outbound) -> Judgement {
         let now = SystemTime::now();
         let policy = RetryPolicy { max_retry_after: MAX_RETRY_AFTER, retry_statuses: &registration.retry_statuses };
         let timestamp = now.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
-        let signature = key.sign(&outbound.id, timestamp, &outbound.body);
+        let signature = signer.sign(&outbound.id, timestamp, &outbound.body, now);
         if let Ok(url) = reqwest::Url::parse(&registration.url) {
             if let Some(ip) = url.host_str().and_then(|h| h.trim_start_matches('[').trim_end_matches(']').parse().ok())
             {
@@ -546,9 +633,11 @@ mod tests {
             burst: None,
             breaker: None,
             retry_statuses: vec![],
+            previous_secret: Some("whsec_b2xkc2VjcmV0b2xkc2VjcmV0".into()),
+            previous_secret_until: Some(1),
         };
         let shown = format!("{registration:?}");
-        for secret in ["whsec_c2VjcmV0c2VjcmV0", "abc123", "pw@", "frag"] {
+        for secret in ["whsec_c2VjcmV0c2VjcmV0", "whsec_b2xkc2VjcmV0b2xkc2VjcmV0", "abc123", "pw@", "frag"] {
             assert!(!shown.contains(secret), "{shown}");
         }
         assert!(shown.contains("https://hooks.example/orders"), "{shown}");

@@ -5,10 +5,10 @@
 use axum::extract::State;
 use axum::http::StatusCode;
 
-use super::extract::{Json, Path};
+use super::extract::{Json, OptionalJson, Path};
 use crate::app::AppState;
 use crate::consumers::{ConsumerPutOutcome, ConsumerSpec, ConsumerView, Policy};
-use crate::delivery::webhook::{Backoff, Registration, SubscriberOptions, WebhookSpec};
+use crate::delivery::webhook::{Backoff, Registration, RotateSecret, SubscriberOptions, WebhookSpec};
 use crate::http::problem::{ApiError, Problem};
 use crate::names::{ConsumerName, MemberName, StreamName};
 
@@ -132,6 +132,10 @@ pub struct SubscriberView {
     pub max_attempts: u64,
     pub backoff: Backoff,
     pub options: SubscriberOptions,
+    /// After a rotation: until when the previous secret also signs.
+    #[serde(skip_serializing_if = "Option::is_none", with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub previous_secret_expires_at: Option<time::OffsetDateTime>,
     /// The signing secret: only in the answer that generated it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub secret: Option<String>,
@@ -144,7 +148,9 @@ fn subscriber_view(
     r: Registration,
     secret: Option<String>,
 ) -> SubscriberView {
+    let previous_secret_expires_at = r.previous_secret_expires();
     SubscriberView {
+        previous_secret_expires_at,
         stream: stream.to_string(),
         consumer: consumer.to_string(),
         subscriber: subscriber.to_string(),
@@ -279,4 +285,32 @@ pub async fn delete_subscriber(
     } else {
         Err(ApiError::NotFound(format!("no subscriber {subscriber} on consumer {consumer}")))
     }
+}
+
+/// Replaces the subscriber's signing secret, the old one signing beside the
+/// new one for `overlap_s` (as for a member's webhook).
+#[utoipa::path(
+    post,
+    path = "/v1/streams/{stream}/consumers/{consumer}/subscribers/{subscriber}/webhook/rotate-secret",
+    tag = "consumers",
+    params(("stream" = String, Path), ("consumer" = String, Path), ("subscriber" = String, Path)),
+    request_body(content = Option<RotateSecret>, description = "optional: the overlap"),
+    responses(
+        (status = 200, description = "rotated: the new secret, and until when the old one also signs", body = SubscriberView),
+        (status = 404, description = "none registered", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "the registration changed meanwhile", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn rotate_subscriber_secret(
+    State(state): State<AppState>,
+    Path((stream, consumer, subscriber)): Path<(StreamName, ConsumerName, MemberName)>,
+    OptionalJson(request): OptionalJson<RotateSecret>,
+) -> Result<Json<SubscriberView>, ApiError> {
+    let overlap = request.unwrap_or_default().overlap()?;
+    let (registration, secret) = state
+        .consumer_webhooks
+        .rotate_secret(&format!("{stream}.{consumer}.{subscriber}"), overlap)
+        .await?
+        .ok_or_else(|| ApiError::NotFound(format!("no subscriber {subscriber} on consumer {consumer}")))?;
+    Ok(Json(subscriber_view(&stream, &consumer, &subscriber, registration, Some(secret))))
 }

@@ -79,6 +79,8 @@ pub fn api() -> (Router<AppState>, utoipa::openapi::OpenApi) {
         .routes(routes!(pauses::pause_subscriber))
         .routes(routes!(pauses::resume_subscriber))
         .routes(routes!(webhooks::put_webhook, webhooks::get_webhook, webhooks::delete_webhook))
+        .routes(routes!(webhooks::rotate_secret))
+        .routes(routes!(consumers::rotate_subscriber_secret))
         .routes(routes!(ws::join_member))
         .routes(routes!(ws::join_consumer))
         .routes(routes!(dead_letters::list_dead_letters, dead_letters::delete_dead_letters))

@@ -3,9 +3,9 @@
 use axum::extract::State;
 use axum::http::StatusCode;
 
-use super::extract::{Json, Path};
+use super::extract::{Json, OptionalJson, Path};
 use crate::app::AppState;
-use crate::delivery::webhook::{registration_key, Registration, WebhookSpec, WebhookView};
+use crate::delivery::webhook::{registration_key, Registration, RotateSecret, WebhookSpec, WebhookView};
 use crate::http::problem::{ApiError, Problem};
 use crate::names::{GroupName, MemberName, StreamName};
 
@@ -16,6 +16,7 @@ fn view(
     r: Registration,
     secret: Option<String>,
 ) -> WebhookView {
+    let expires = r.previous_secret_expires();
     WebhookView {
         stream: stream.to_string(),
         group: group.to_string(),
@@ -28,6 +29,7 @@ fn view(
         max_rate: r.max_rate,
         burst: r.burst,
         breaker: r.breaker,
+        previous_secret_expires_at: expires,
         retry_statuses: r.retry_statuses,
         secret,
     }
@@ -110,4 +112,35 @@ pub async fn delete_webhook(
     } else {
         Err(ApiError::NotFound(format!("no webhook is registered for member {member}")))
     }
+}
+
+/// Replaces the member's signing secret with a new one, answered this once.
+/// For `overlap_s` (default an hour) deliveries carry both signatures
+/// (`webhook-signature: v1,<new> v1,<old>`, as Standard Webhooks allows), so
+/// the receiver can switch to the new secret without missing a delivery.
+#[utoipa::path(
+    post,
+    path = "/v1/streams/{stream}/groups/{group}/members/{member}/webhook/rotate-secret",
+    tag = "webhooks",
+    params(("stream" = String, Path), ("group" = String, Path), ("member" = String, Path)),
+    request_body(content = Option<RotateSecret>, description = "optional: the overlap"),
+    responses(
+        (status = 200, description = "rotated: the new secret, and until when the old one also signs", body = WebhookView),
+        (status = 404, description = "no webhook registered", body = Problem, content_type = "application/problem+json"),
+        (status = 409, description = "the registration changed meanwhile", body = Problem, content_type = "application/problem+json")
+    )
+)]
+pub async fn rotate_secret(
+    State(state): State<AppState>,
+    Path((stream, group, member)): Path<(StreamName, GroupName, MemberName)>,
+    OptionalJson(request): OptionalJson<RotateSecret>,
+) -> Result<Json<WebhookView>, ApiError> {
+    let overlap = request.unwrap_or_default().overlap()?;
+    let key = registration_key(stream.as_str(), group.as_str(), member.as_str());
+    let (registration, secret) = state
+        .webhooks
+        .rotate_secret(&key, overlap)
+        .await?
+        .ok_or_else(|| ApiError::NotFound(format!("no webhook is registered for member {member}")))?;
+    Ok(Json(view(&stream, &group, &member, registration, Some(secret))))
 }

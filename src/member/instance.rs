@@ -13,7 +13,6 @@ use super::join::{join, JoinError};
 use super::session::{Joined, Session, SessionEnd};
 use crate::delivery::endpoint::Endpoint;
 use crate::delivery::frames::ServerFrame;
-use crate::delivery::signing::SigningKey;
 use crate::delivery::webhook::{registration_key, Registration};
 use crate::events::Event;
 use crate::groups::config::{ELASTIC_BUCKET, STATIC_BUCKET};
@@ -30,14 +29,14 @@ pub async fn serve_webhook(
     registration: Registration,
     cancel: CancellationToken,
 ) {
-    let key = match SigningKey::parse(&registration.secret) {
-        Ok(k) => k,
+    let endpoint = match Endpoint::webhook(registration) {
+        Ok(endpoint) => endpoint,
         Err(e) => {
             tracing::error!(member = %who.member, error = %e, "webhook registration has an unusable secret");
             return;
         }
     };
-    serve_member(ctx, who, Arc::new(Endpoint::webhook(registration, key)), cancel).await;
+    serve_member(ctx, who, Arc::new(endpoint), cancel).await;
 }
 
 /// Serves `who` through `endpoint` until `cancel`: joins the member's

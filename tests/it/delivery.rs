@@ -116,6 +116,72 @@ async fn webhooks_receive_signed_messages_in_key_order_with_keygate_headers() {
     app.assert_no_acks_without_verdict().await;
 }
 
+/// What the Standard Webhooks library needs of a recorded delivery.
+fn signed(r: &Recorded) -> Value {
+    json!({
+        "headers": {
+            "webhook-id": r.header("webhook-id"),
+            "webhook-timestamp": r.header("webhook-timestamp"),
+            "webhook-signature": r.header("webhook-signature"),
+        },
+        "body": base64::engine::general_purpose::STANDARD.encode(&r.body),
+    })
+}
+
+#[tokio::test]
+async fn a_rotated_secret_signs_beside_the_old_one_for_the_overlap_then_alone() {
+    let app = TestApp::start().await;
+    let receiver = Receiver::start(|_, _| Answer::ok()).await;
+    let first = setup(&app, &receiver, json!({})).await;
+    let rotate = |overlap: u64| {
+        let app = &app;
+        async move {
+            let path = "/v1/streams/ORDERS/groups/g/members/m1/webhook/rotate-secret";
+            let (status, view) = app.post(path, json!({"overlap_s": overlap})).await;
+            assert_eq!(status, 200, "{view}");
+            view
+        }
+    };
+    let deliveries_of = |n: u64| {
+        let (app, receiver) = (&app, &receiver);
+        async move {
+            let published = publish(app, &[(format!("rotation-{n}"), n)]).await;
+            let requests = all_acked(receiver, &published, &[], Duration::from_secs(20)).await;
+            let seq = published.values().flatten().next().copied().unwrap();
+            requests.into_iter().filter(|r| r.seq() == seq).map(|r| signed(&r)).collect::<Vec<_>>()
+        }
+    };
+
+    let view = rotate(60).await;
+    let second = view["secret"].as_str().unwrap().to_owned();
+    assert_ne!(second, first);
+    let expires = time::OffsetDateTime::parse(
+        view["previous_secret_expires_at"].as_str().unwrap(),
+        &time::format_description::well_known::Rfc3339,
+    )
+    .unwrap();
+    let ahead = expires - time::OffsetDateTime::now_utc();
+    assert!(ahead > time::Duration::seconds(50) && ahead <= time::Duration::seconds(61), "{ahead}");
+    let (_, shown) = app.get("/v1/streams/ORDERS/groups/g/members/m1/webhook").await;
+    assert!(shown.get("secret").is_none(), "secrets are never in a GET: {shown}");
+    assert_eq!(shown["previous_secret_expires_at"], view["previous_secret_expires_at"]);
+    // During the overlap: two signatures, and a receiver holding either secret accepts.
+    let during = deliveries_of(1).await;
+    assert_eq!(during[0]["headers"]["webhook-signature"].as_str().unwrap().split(' ').count(), 2, "{during:?}");
+    verify_with_standardwebhooks(&second, &during, true);
+    verify_with_standardwebhooks(&first, &during, true);
+
+    // With no overlap the old secret stops at once.
+    let third = rotate(0).await["secret"].as_str().unwrap().to_owned();
+    let after = deliveries_of(2).await;
+    verify_with_standardwebhooks(&third, &after, true);
+    verify_with_standardwebhooks(&second, &after, false);
+    verify_with_standardwebhooks(&first, &after, false);
+    let path = "/v1/streams/ORDERS/groups/g/members/m1/webhook/rotate-secret";
+    assert_eq!(app.post(path, json!({"overlap_s": 999999999})).await.0, 400);
+    assert_eq!(app.post("/v1/streams/ORDERS/groups/g/members/m2/webhook/rotate-secret", json!({})).await.0, 404);
+}
+
 fn verify_with_standardwebhooks(secret: &str, requests: &[Value], expect_valid: bool) {
     let script = r#"
 import base64, json, sys
