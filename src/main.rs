@@ -144,6 +144,9 @@ struct ServeArgs {
     /// Allow webhooks to public internet addresses.
     #[arg(long, env = "KEYGATE_WEBHOOK_ALLOW_PUBLIC")]
     webhook_allow_public: bool,
+    /// The only directory webhook credential files (bearer_file, mtls) may be read from.
+    #[arg(long, env = "KEYGATE_WEBHOOK_CREDENTIALS_DIR")]
+    webhook_credentials_dir: Option<std::path::PathBuf>,
     /// Messages held behind one blocked partition's head before intake slows.
     #[arg(long, env = "KEYGATE_HOLD_CAP", default_value_t = 256)]
     hold_cap: usize,
@@ -225,6 +228,7 @@ impl ServeArgs {
                 allowed_hosts: self.webhook_allowed_hosts.clone(),
                 allow_private: self.webhook_allow_private,
                 allow_public: self.webhook_allow_public,
+                credentials_dir: self.webhook_credentials_dir.clone(),
             },
             hold_cap: self.hold_cap.max(1),
             delivery_grace: Duration::from_secs(10),

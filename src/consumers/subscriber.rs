@@ -62,7 +62,7 @@ pub async fn serve_consumer_webhook(
         min_ack_pending: None,
         concurrency: 1,
     });
-    let Ok(endpoint) = Endpoint::webhook(registration) else {
+    let Ok(endpoint) = Endpoint::webhook(registration, &ctx.webhooks) else {
         tracing::error!(consumer = %target.consumer, "subscriber registration has an unusable secret");
         return;
     };

@@ -6,6 +6,7 @@
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Which destinations webhooks may reach.
 #[derive(Debug, Clone, Default)]
@@ -16,6 +17,9 @@ pub struct DestinationPolicy {
     pub allow_private: bool,
     /// Allow public internet addresses.
     pub allow_public: bool,
+    /// The only directory webhook credential files (`bearer_file`, `mtls`)
+    /// are read from; `None`: no credential files.
+    pub credentials_dir: Option<std::path::PathBuf>,
 }
 
 /// What kind of address a destination is.
@@ -139,6 +143,20 @@ impl DestinationPolicy {
         }
         Ok(parsed)
     }
+}
+
+/// How every webhook client is built: no redirects, no proxy, bounded
+/// connects and idle connections, destinations checked on each lookup.
+pub fn client_builder(policy: &Arc<DestinationPolicy>) -> reqwest::ClientBuilder {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .connect_timeout(Duration::from_secs(5))
+        .pool_idle_timeout(Duration::from_secs(30))
+        .pool_max_idle_per_host(64)
+        .no_proxy()
+        .user_agent(concat!("keygate/", env!("CARGO_PKG_VERSION")))
+        .dns_resolver(Arc::new(PolicyResolver { policy: policy.clone() }))
 }
 
 /// A resolver for the webhook client that drops addresses the policy

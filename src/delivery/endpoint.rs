@@ -3,10 +3,11 @@
 
 use std::sync::Arc;
 
+use super::credentials::Credentials;
 use super::frames::ServerFrame;
 use super::protection::Protection;
 use super::signing::{SecretError, Signer};
-use super::webhook::{Backoff, Registration};
+use super::webhook::{Backoff, Registration, WebhookClient};
 use super::websocket::SocketEndpoint;
 
 /// A member instance's endpoint.
@@ -20,15 +21,17 @@ pub struct WebhookEndpoint {
     pub registration: Registration,
     pub signer: Signer,
     pub protection: Protection,
+    pub credentials: Credentials,
 }
 
 impl Endpoint {
     /// A webhook endpoint with the signing keys, rate limit and breaker its
     /// registration holds.
-    pub fn webhook(registration: Registration) -> Result<Self, SecretError> {
+    pub fn webhook(registration: Registration, client: &WebhookClient) -> Result<Self, SecretError> {
         let signer = registration.signer()?;
         let protection = Protection::of(&registration);
-        Ok(Self::Webhook(Box::new(WebhookEndpoint { registration, signer, protection })))
+        let credentials = client.credentials(registration.auth.as_ref());
+        Ok(Self::Webhook(Box::new(WebhookEndpoint { registration, signer, protection, credentials })))
     }
 
     /// The rate limit and breaker (none for a WebSocket: the client paces itself).

@@ -2,6 +2,7 @@
 //! destination policy), and WebSocket connections (the dead-letter stream is
 //! `crate::dead_letters`).
 
+pub mod credentials;
 pub mod destination;
 pub mod endpoint;
 pub mod frames;

@@ -1,6 +1,7 @@
 //! Webhook members: registrations (stored in keygate's own KV bucket, so
 //! every replica serves them) and the hardened HTTP client that calls them.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -9,7 +10,8 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use super::destination::{DestinationPolicy, PolicyResolver};
+use super::credentials::{check_headers, Credentials, OutboundAuth};
+use super::destination::DestinationPolicy;
 use super::signing::{SecretError, Signer, SigningKey};
 use super::verdict::{judge, Judgement, Response, RetryPolicy};
 use crate::error::Error;
@@ -95,6 +97,14 @@ pub struct WebhookSpec {
     #[serde(default)]
     #[schema(max_items = 50)]
     pub retry_statuses: Option<Vec<u16>>,
+    /// Static headers sent with every delivery (not hop-by-hop headers,
+    /// credentials, `Content-Type`, or keygate's own). A `GET` shows their
+    /// names only.
+    #[serde(default)]
+    pub headers: Option<BTreeMap<String, String>>,
+    /// How keygate authenticates to the endpoint.
+    #[serde(default)]
+    pub auth: Option<OutboundAuth>,
 }
 
 /// A stored registration.
@@ -125,6 +135,10 @@ pub struct Registration {
     pub previous_secret: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub previous_secret_until: Option<i64>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub headers: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auth: Option<OutboundAuth>,
 }
 
 impl Registration {
@@ -160,6 +174,8 @@ impl std::fmt::Debug for WebhookSpec {
             .field("burst", &self.burst)
             .field("breaker", &self.breaker)
             .field("retry_statuses", &self.retry_statuses)
+            .field("headers", &self.headers.as_ref().map(|h| h.keys().collect::<Vec<_>>()))
+            .field("auth", &self.auth)
             .finish()
     }
 }
@@ -180,6 +196,8 @@ impl std::fmt::Debug for Registration {
             .field("burst", &self.burst)
             .field("breaker", &self.breaker)
             .field("retry_statuses", &self.retry_statuses)
+            .field("headers", &self.headers.keys().collect::<Vec<_>>())
+            .field("auth", &self.auth)
             .finish()
     }
 }
@@ -228,6 +246,12 @@ pub struct WebhookView {
     #[serde(skip_serializing_if = "Option::is_none", with = "time::serde::rfc3339::option")]
     #[schema(value_type = Option<String>, format = DateTime)]
     pub previous_secret_expires_at: Option<time::OffsetDateTime>,
+    /// The static headers' names (their values are never shown).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub headers: Vec<String>,
+    /// How keygate authenticates (where its secrets are, never the secrets).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub auth: Option<OutboundAuth>,
     /// The signing secret: only in the answer that generated it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub secret: Option<String>,
@@ -380,6 +404,12 @@ impl WebhookStore {
             SigningKey::parse(secret).map_err(|e| Error::Invalid(e.to_string()))?;
         }
         check_protection(&spec)?;
+        if let Some(headers) = &spec.headers {
+            check_headers(headers)?;
+        }
+        if let Some(auth) = &spec.auth {
+            auth.check(&self.policy).await?;
+        }
         let store = self.bucket().await?;
         let existing = self.read(&store, key).await?;
         let mut generated = None;
@@ -412,6 +442,8 @@ impl WebhookStore {
                 .as_ref()
                 .filter(|_| !secret_given)
                 .and_then(|old| old.previous_secret_until),
+            headers: spec.headers.unwrap_or_default(),
+            auth: spec.auth,
         };
         let bytes = Bytes::from(serde_json::to_vec(&registration).unwrap_or_default());
         store.put(key, bytes).await.map_err(|e| unavailable_or_internal("storing webhook", e))?;
@@ -510,23 +542,35 @@ pub struct WebhookClient {
 impl WebhookClient {
     /// A client bound by `policy`.
     pub fn new(policy: Arc<DestinationPolicy>) -> anyhow::Result<Self> {
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let http = reqwest::Client::builder()
-            .redirect(reqwest::redirect::Policy::none())
-            .connect_timeout(Duration::from_secs(5))
-            .pool_idle_timeout(Duration::from_secs(30))
-            .pool_max_idle_per_host(64)
-            .no_proxy()
-            .user_agent(concat!("keygate/", env!("CARGO_PKG_VERSION")))
-            .dns_resolver(Arc::new(PolicyResolver { policy: policy.clone() }))
-            .build()?;
+        let http = super::destination::client_builder(&policy).build()?;
         Ok(Self { http, policy })
     }
 
+    /// `auth`'s credentials for one instance of a registration.
+    pub fn credentials(&self, auth: Option<&OutboundAuth>) -> Credentials {
+        Credentials::load(auth, &self.policy, &self.http)
+    }
+
     /// POSTs one message and judges the answer.
-    pub async fn call(&self, registration: &Registration, signer: &Signer, outbound: &Outbound) -> Judgement {
+    pub async fn call(
+        &self,
+        registration: &Registration,
+        signer: &Signer,
+        credentials: &Credentials,
+        outbound: &Outbound,
+    ) -> Judgement {
         let now = SystemTime::now();
-        let policy = RetryPolicy { max_retry_after: MAX_RETRY_AFTER, retry_statuses: &registration.retry_statuses };
+        // With credentials, a 401 means they expired or were rotated: they
+        // are fetched again and the message retried, not dead-lettered.
+        let with_401;
+        let retry_statuses = match &registration.auth {
+            Some(_) => {
+                with_401 = [registration.retry_statuses.as_slice(), &[401]].concat();
+                with_401.as_slice()
+            }
+            None => registration.retry_statuses.as_slice(),
+        };
+        let policy = RetryPolicy { max_retry_after: MAX_RETRY_AFTER, retry_statuses };
         let timestamp = now.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
         let signature = signer.sign(&outbound.id, timestamp, &outbound.body, now);
         if let Ok(url) = reqwest::Url::parse(&registration.url) {
@@ -539,15 +583,23 @@ impl WebhookClient {
                 }
             }
         }
-        let mut request = self
-            .http
+        let authorization = match credentials.authorization().await {
+            Ok(value) => value,
+            Err(why) => return judge(&Response::ConnectionError(format!("no credentials: {why}")), now, policy),
+        };
+        let mut request = credentials
+            .client()
+            .unwrap_or(&self.http)
             .post(&registration.url)
             .timeout(Duration::from_millis(registration.timeout_ms))
             .header("webhook-id", &outbound.id)
             .header("webhook-timestamp", timestamp.to_string())
             .header("webhook-signature", signature);
-        for (name, value) in &outbound.headers {
+        for (name, value) in registration.headers.iter().chain(outbound.headers.iter().map(|(n, v)| (n, v))) {
             request = request.header(name.as_str(), value.as_str());
+        }
+        if let Some(value) = authorization {
+            request = request.header(reqwest::header::AUTHORIZATION, value);
         }
         let response = match request.body(outbound.body.clone()).send().await {
             Ok(r) => r,
@@ -557,6 +609,9 @@ impl WebhookClient {
             Err(e) => return judge(&Response::ConnectionError(error_chain(&e.without_url())), now, policy),
         };
         let status = response.status().as_u16();
+        if status == 401 {
+            credentials.refused().await;
+        }
         let header = |name: &str| response.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
         let (retry_after, keygate_ack) = (header("retry-after"), header("keygate-ack"));
         let body = match read_capped(response).await {
@@ -635,9 +690,13 @@ mod tests {
             retry_statuses: vec![],
             previous_secret: Some("whsec_b2xkc2VjcmV0b2xkc2VjcmV0".into()),
             previous_secret_until: Some(1),
+            headers: BTreeMap::from([("x-api-key".into(), "hidden-value".into())]),
+            auth: None,
         };
         let shown = format!("{registration:?}");
-        for secret in ["whsec_c2VjcmV0c2VjcmV0", "whsec_b2xkc2VjcmV0b2xkc2VjcmV0", "abc123", "pw@", "frag"] {
+        for secret in
+            ["whsec_c2VjcmV0c2VjcmV0", "whsec_b2xkc2VjcmV0b2xkc2VjcmV0", "abc123", "pw@", "frag", "hidden-value"]
+        {
             assert!(!shown.contains(secret), "{shown}");
         }
         assert!(shown.contains("https://hooks.example/orders"), "{shown}");

@@ -30,6 +30,8 @@ fn view(
         burst: r.burst,
         breaker: r.breaker,
         previous_secret_expires_at: expires,
+        headers: r.headers.keys().cloned().collect(),
+        auth: r.auth,
         retry_statuses: r.retry_statuses,
         secret,
     }

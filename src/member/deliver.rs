@@ -118,9 +118,9 @@ pub async fn deliver(
             reason: "not sent: the circuit breaker is open and the member is pausing".into(),
         },
         Endpoint::Webhook(webhook) => {
-            let WebhookEndpoint { registration, signer, protection } = &**webhook;
+            let WebhookEndpoint { registration, signer, protection, credentials } = &**webhook;
             protection.wait_turn().await;
-            let judgement = ctx.webhooks.call(registration, signer, &outbound(&who, &held, fencing)).await;
+            let judgement = ctx.webhooks.call(registration, signer, credentials, &outbound(&who, &held, fencing)).await;
             metrics::histogram!(crate::metrics::ENDPOINT_SECONDS, &labels).record(called.elapsed().as_secs_f64());
             let step = protection.record(judgement.failed);
             Box::pin(breaker_step(&ctx, &who, protection, step, &judgement, &mut events)).await;

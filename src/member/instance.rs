@@ -29,7 +29,7 @@ pub async fn serve_webhook(
     registration: Registration,
     cancel: CancellationToken,
 ) {
-    let endpoint = match Endpoint::webhook(registration) {
+    let endpoint = match Endpoint::webhook(registration, &ctx.webhooks) {
         Ok(endpoint) => endpoint,
         Err(e) => {
             tracing::error!(member = %who.member, error = %e, "webhook registration has an unusable secret");

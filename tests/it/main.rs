@@ -15,6 +15,7 @@ mod hardening;
 mod key_order;
 mod node_loss;
 mod openapi;
+mod outbound_auth;
 mod pauses;
 mod protection;
 mod publish;
