@@ -19,6 +19,7 @@ pub mod nats;
 pub mod partition;
 pub mod pauses;
 pub mod publish;
+pub mod seek;
 pub mod settings;
 pub mod status;
 pub mod streams;

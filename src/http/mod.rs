@@ -12,6 +12,7 @@ pub mod health;
 pub mod messages;
 pub mod pauses;
 pub mod problem;
+pub mod seek;
 pub mod serve;
 pub mod streams;
 pub mod webhooks;
@@ -67,6 +68,8 @@ pub fn api() -> (Router<AppState>, utoipa::openapi::OpenApi) {
         .routes(routes!(groups::drop_member))
         .routes(routes!(groups::put_mappings, groups::delete_mappings))
         .routes(routes!(groups::step_down))
+        .routes(routes!(seek::seek_group))
+        .routes(routes!(seek::seek_consumer))
         .routes(routes!(pauses::pause_member))
         .routes(routes!(pauses::resume_member))
         .routes(routes!(groups::skip_partition))

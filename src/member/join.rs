@@ -75,7 +75,7 @@ pub async fn join(
     member: &str,
     ack_wait: Duration,
 ) -> Result<(String, String), JoinError> {
-    let wanted = member_config(config, group, member, ack_wait);
+    let mut wanted = member_config(config, group, member, ack_wait);
     if wanted.filter_subjects.is_empty() {
         return Err(JoinError::NoPartitions);
     }
@@ -83,6 +83,7 @@ pub async fn join(
     let handle = js.get_stream_no_info(&stream_name).await.map_err(|e| JoinError::Other(e.to_string()))?;
     let patience = tokio::time::Instant::now() + ack_wait + Duration::from_millis(500);
     let mut deletes = 0;
+    let mut adopted_start = false;
     loop {
         let error = match handle.create_consumer_strict(wanted.clone()).await {
             Ok(_) => return Ok((stream_name, consumer_name)),
@@ -92,6 +93,14 @@ pub async fn join(
             || error.kind() == jetstream::stream::ConsumerCreateStrictErrorKind::AlreadyExists;
         match jetstream_error_code(&error) {
             Some(FILTER_OVERLAP) => return Err(JoinError::Overlap),
+            // A seek made the static consumer again at another start
+            // (src/seek.rs): join it as it is, once.
+            _ if exists && config.kind() == GroupKind::Static && !adopted_start => {
+                adopted_start = true;
+                if let Ok(info) = handle.consumer_info(&consumer_name).await {
+                    wanted.deliver_policy = info.config.deliver_policy;
+                }
+            }
             _ if exists && config.kind() == GroupKind::Elastic => {
                 if tokio::time::Instant::now() < patience {
                     tokio::time::sleep(Duration::from_millis(250)).await;

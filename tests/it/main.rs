@@ -19,6 +19,7 @@ mod outbound_auth;
 mod pauses;
 mod protection;
 mod publish;
+mod seek;
 mod serve;
 mod streams;
 mod websocket;
