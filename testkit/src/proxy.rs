@@ -93,14 +93,20 @@ async fn relay(client: TcpStream, server: TcpStream, state: Arc<State>, cut: Can
                 }
                 released.await;
             }
+            // A cut releases the hold too; what was held must die with the
+            // connection, not slip out before the close is noticed.
+            if cut.is_cancelled() {
+                return;
+            }
             if client_write.write_all(&buffer[..n]).await.is_err() {
                 return;
             }
         }
     };
     tokio::select! {
+        biased;
+        () = cut.cancelled() => {}
         () = upstream => {}
         () = downstream => {}
-        () = cut.cancelled() => {}
     }
 }

@@ -352,6 +352,17 @@ async fn behind_a_cuttable_proxy() -> (crate::support::TestApp, crate::support::
     (app, proxy)
 }
 
+/// Waits until the server counts every message up to `last` as delivered
+/// to `g-m1` (asked straight, past the proxy): only then are they in the
+/// held bytes that the cut throws away, which is the path under test.
+async fn until_the_server_has_sent(app: &crate::support::TestApp, last: u64) {
+    eventually(Duration::from_secs(15), || async {
+        let info = app.js.get_stream("LOSS").await.ok()?.consumer_info("g-m1").await.ok()?;
+        (info.delivered.stream_sequence >= last).then_some(())
+    })
+    .await;
+}
+
 /// Publishes `{"i": i}` on key `k` of `LOSS` (straight to the server, past
 /// the proxy); its stream sequence.
 async fn publish_loss(app: &crate::support::TestApp, i: u64) -> u64 {
@@ -390,7 +401,7 @@ async fn deliveries_lost_with_the_connection_reach_the_endpoint_first_when_they_
     for i in 5..10 {
         lost.push(publish(i).await);
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    until_the_server_has_sent(&app, *lost.last().unwrap()).await;
     proxy.cut();
     // Newer messages of the same key, pulled after the reconnect.
     let mut newer = Vec::new();
@@ -449,7 +460,7 @@ async fn a_websocket_member_gets_deliveries_lost_with_the_connection_first_when_
     for i in 3..6 {
         lost.push(publish(i).await);
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    until_the_server_has_sent(&app, *lost.last().unwrap()).await;
     proxy.cut();
     let mut newer = Vec::new();
     for i in 6..9 {
