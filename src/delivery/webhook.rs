@@ -234,6 +234,21 @@ pub struct WebhookView {
     /// Most deliveries in flight at once, when set.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_in_flight: Option<usize>,
+    #[serde(flatten)]
+    pub endpoint: EndpointOptionsView,
+    /// After a rotation: until when the previous secret also signs.
+    #[serde(skip_serializing_if = "Option::is_none", with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub previous_secret_expires_at: Option<time::OffsetDateTime>,
+    /// The signing secret: only in the answer that generated it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
+}
+
+/// How a registration protects and authenticates to its endpoint, as the
+/// API shows it: members' webhooks and consumers' subscribers alike.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct EndpointOptionsView {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_rate: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -242,19 +257,25 @@ pub struct WebhookView {
     pub breaker: Option<BreakerSpec>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub retry_statuses: Vec<u16>,
-    /// After a rotation: until when the previous secret also signs.
-    #[serde(skip_serializing_if = "Option::is_none", with = "time::serde::rfc3339::option")]
-    #[schema(value_type = Option<String>, format = DateTime)]
-    pub previous_secret_expires_at: Option<time::OffsetDateTime>,
     /// The static headers' names (their values are never shown).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub headers: Vec<String>,
     /// How keygate authenticates (where its secrets are, never the secrets).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub auth: Option<OutboundAuth>,
-    /// The signing secret: only in the answer that generated it.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub secret: Option<String>,
+}
+
+impl EndpointOptionsView {
+    pub fn of(r: &Registration) -> Self {
+        Self {
+            max_rate: r.max_rate,
+            burst: r.burst,
+            breaker: r.breaker,
+            retry_statuses: r.retry_statuses.clone(),
+            headers: r.headers.keys().cloned().collect(),
+            auth: r.auth.clone(),
+        }
+    }
 }
 
 /// Most deliveries a member may have in flight: the consumer's default

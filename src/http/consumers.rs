@@ -2,13 +2,18 @@
 //! policy (overflow, pinned client, prioritized) for work that needs no
 //! key order.
 
+use std::collections::BTreeMap;
+
 use axum::extract::State;
 use axum::http::StatusCode;
 
 use super::extract::{Json, OptionalJson, Path};
 use crate::app::AppState;
 use crate::consumers::{ConsumerPutOutcome, ConsumerSpec, ConsumerView, Policy};
-use crate::delivery::webhook::{Backoff, Registration, RotateSecret, SubscriberOptions, WebhookSpec};
+use crate::delivery::credentials::OutboundAuth;
+use crate::delivery::webhook::{
+    Backoff, BreakerSpec, EndpointOptionsView, Registration, RotateSecret, SubscriberOptions, WebhookSpec,
+};
 use crate::http::problem::{ApiError, Problem};
 use crate::names::{ConsumerName, MemberName, StreamName};
 
@@ -119,6 +124,17 @@ pub struct SubscriberSpec {
     pub min_ack_pending: Option<i64>,
     /// Deliveries in flight at once, 1–256 (default 4).
     pub concurrency: Option<usize>,
+    /// Endpoint protection and outbound auth, as for a member's webhook
+    /// (`WebhookSpec`): the breaker pauses this subscriber on every replica.
+    #[schema(minimum = 0.001, maximum = 100000)]
+    pub max_rate: Option<f64>,
+    #[schema(minimum = 1, maximum = 100000)]
+    pub burst: Option<u32>,
+    pub breaker: Option<BreakerSpec>,
+    #[schema(max_items = 50)]
+    pub retry_statuses: Option<Vec<u16>>,
+    pub headers: Option<BTreeMap<String, String>>,
+    pub auth: Option<OutboundAuth>,
 }
 
 /// A consumer's webhook subscriber.
@@ -132,6 +148,8 @@ pub struct SubscriberView {
     pub max_attempts: u64,
     pub backoff: Backoff,
     pub options: SubscriberOptions,
+    #[serde(flatten)]
+    pub endpoint: EndpointOptionsView,
     /// After a rotation: until when the previous secret also signs.
     #[serde(skip_serializing_if = "Option::is_none", with = "time::serde::rfc3339::option")]
     #[schema(value_type = Option<String>, format = DateTime)]
@@ -149,6 +167,7 @@ fn subscriber_view(
     secret: Option<String>,
 ) -> SubscriberView {
     let previous_secret_expires_at = r.previous_secret_expires();
+    let endpoint = EndpointOptionsView::of(&r);
     SubscriberView {
         previous_secret_expires_at,
         stream: stream.to_string(),
@@ -158,6 +177,7 @@ fn subscriber_view(
         timeout_ms: r.timeout_ms,
         max_attempts: r.max_attempts,
         backoff: r.backoff,
+        endpoint,
         options: r.subscriber.unwrap_or(SubscriberOptions {
             priority: None,
             min_pending: None,
@@ -234,7 +254,13 @@ pub async fn put_subscriber(
         timeout_ms: spec.timeout_ms,
         max_attempts: spec.max_attempts,
         backoff: spec.backoff,
-        ..Default::default()
+        max_in_flight: None,
+        max_rate: spec.max_rate,
+        burst: spec.burst,
+        breaker: spec.breaker,
+        retry_statuses: spec.retry_statuses,
+        headers: spec.headers,
+        auth: spec.auth,
     };
     let key = format!("{stream}.{consumer}.{subscriber}");
     let (created, registration, secret) = state.consumer_webhooks.put_with(&key, webhook, Some(options)).await?;

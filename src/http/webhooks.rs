@@ -5,7 +5,9 @@ use axum::http::StatusCode;
 
 use super::extract::{Json, OptionalJson, Path};
 use crate::app::AppState;
-use crate::delivery::webhook::{registration_key, Registration, RotateSecret, WebhookSpec, WebhookView};
+use crate::delivery::webhook::{
+    registration_key, EndpointOptionsView, Registration, RotateSecret, WebhookSpec, WebhookView,
+};
 use crate::http::problem::{ApiError, Problem};
 use crate::names::{GroupName, MemberName, StreamName};
 
@@ -21,18 +23,13 @@ fn view(
         stream: stream.to_string(),
         group: group.to_string(),
         member: member.to_string(),
-        url: r.url,
         timeout_ms: r.timeout_ms,
         max_attempts: r.max_attempts,
         max_in_flight: r.max_in_flight,
         backoff: r.backoff,
-        max_rate: r.max_rate,
-        burst: r.burst,
-        breaker: r.breaker,
+        endpoint: EndpointOptionsView::of(&r),
         previous_secret_expires_at: expires,
-        headers: r.headers.keys().cloned().collect(),
-        auth: r.auth,
-        retry_statuses: r.retry_statuses,
+        url: r.url,
         secret,
     }
 }

@@ -135,3 +135,63 @@ async fn the_breaker_pauses_the_member_then_a_probe_resumes_it_when_the_endpoint
     assert!(seen.contains(r#""by":"circuit breaker""#), "{seen}");
     app.assert_no_acks_without_verdict().await;
 }
+
+/// A plain consumer's webhook subscriber takes the same protection and
+/// outbound options as a member's webhook: static headers and a bearer
+/// token reach the endpoint (their values never shown), a 404 in
+/// `retry_statuses` is retried, and the breaker pauses the subscriber.
+#[tokio::test]
+async fn a_plain_consumers_subscriber_takes_the_same_protection_headers_and_auth() {
+    std::env::set_var("WEBHOOK_AUTH_SUBSCRIBER_TOKEN", "sub-token");
+    let app = TestApp::start().await;
+    app.create_stream("JOBS", json!({"subjects":["jobs.*"]})).await;
+    assert_eq!(app.put("/v1/streams/JOBS/consumers/c", json!({"ack_wait_ms": 3000})).await.0, 201);
+    let down = Arc::new(AtomicBool::new(false));
+    let receiver = {
+        let down = down.clone();
+        Receiver::start(move |_, earlier| match () {
+            () if down.load(Ordering::SeqCst) => Answer::status(500),
+            () if earlier < 2 => Answer::status(404),
+            () => Answer::ok(),
+        })
+        .await
+    };
+    let path = "/v1/streams/JOBS/consumers/c/subscribers/s1/webhook";
+    let hook = |breaker: Value| {
+        json!({"url": receiver.url("/s1"), "concurrency": 1, "backoff": {"initial_ms": 100, "max_ms": 200},
+            "headers": {"X-Tenant": "acme"}, "auth": {"bearer_env": "WEBHOOK_AUTH_SUBSCRIBER_TOKEN"},
+            "retry_statuses": [404], "max_rate": 50, "burst": 5, "breaker": breaker, "max_attempts": 1000})
+    };
+    let (status, view) = app.put(path, hook(json!({"failures": 100}))).await;
+    assert_eq!(status, 201, "{view}");
+    let (_, shown) = app.get(path).await;
+    for (field, expected) in [
+        ("headers", json!(["X-Tenant"])),
+        ("auth", json!({"bearer_env": "WEBHOOK_AUTH_SUBSCRIBER_TOKEN"})),
+        ("retry_statuses", json!([404])),
+        ("max_rate", json!(50.0)),
+        ("burst", json!(5)),
+        ("breaker", json!({"failures": 100})),
+    ] {
+        assert_eq!(shown[field], expected, "{field}: {shown}");
+    }
+    assert!(!shown.to_string().contains("acme") && !shown.to_string().contains("sub-token"), "{shown}");
+
+    let (_, ack) = app.post("/v1/streams/JOBS/messages", json!({"key": "j", "data": {"n": 0}})).await;
+    let seq = ack["seq"].as_u64().unwrap();
+    let acked = eventually(WAIT, || async { receiver.requests().into_iter().find(|r| r.seq() == seq && r.ok()) }).await;
+    assert_eq!(acked.attempt(), 3, "two 404s retried, then acked");
+    assert_eq!(acked.header("authorization"), Some("Bearer sub-token"));
+    assert_eq!(acked.header("x-tenant"), Some("acme"));
+
+    // The endpoint fails: three in a row pause the subscriber.
+    assert_eq!(app.put(path, hook(json!({"failures": 3}))).await.0, 200);
+    down.store(true, Ordering::SeqCst);
+    for n in 1..=5 {
+        app.post("/v1/streams/JOBS/messages", json!({"key": "j", "data": {"n": n}})).await;
+    }
+    eventually(WAIT, || async { (app.metric("keygate_breaker_trips_total").await == 1.0).then_some(()) }).await;
+    let (status, paused) = app.post("/v1/streams/JOBS/consumers/c/subscribers/s1/pause", json!(null)).await;
+    assert_eq!(status, 200, "{paused}");
+    assert_eq!(paused["pause"]["paused_by"], "circuit breaker", "{paused}");
+}
