@@ -183,6 +183,9 @@ struct ServeArgs {
     /// Browser origins allowed to open WebSocket members, comma-separated (keygate's own origin always is; `*`: any).
     #[arg(long, env = "KEYGATE_WS_ALLOWED_ORIGINS", value_delimiter = ',')]
     ws_allowed_origins: Vec<String>,
+    /// Browser origins whose pages may call the REST API, comma-separated (CORS; default none; `*`: any).
+    #[arg(long, env = "KEYGATE_CORS_ALLOWED_ORIGINS", value_delimiter = ',', value_parser = keygate::http::cors::parse_origin)]
+    cors_allowed_origins: Vec<String>,
     /// Most WebSocket connections one member (or subscriber) may have open on this keygate.
     #[arg(long, env = "KEYGATE_WS_MAX_CONNECTIONS_PER_MEMBER", default_value_t = 16)]
     ws_max_connections_per_member: usize,
@@ -244,6 +247,7 @@ impl ServeArgs {
             allow_unauthenticated: self.allow_unauthenticated,
             admin_listen: self.admin_listen,
             ws_allowed_origins: self.ws_allowed_origins.clone(),
+            cors_allowed_origins: self.cors_allowed_origins.clone(),
             ws_ping_interval: Duration::from_secs(self.ws_ping_secs.max(1)),
             ws_max_connections_per_member: self.ws_max_connections_per_member.max(1),
             state_replicas: self.state_replicas.map(usize::from),

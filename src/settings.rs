@@ -57,6 +57,8 @@ pub struct Settings {
     pub backlog_sample_interval: Option<Duration>,
     /// Browser origins allowed to open WebSocket members (besides keygate's own origin; `*`: any).
     pub ws_allowed_origins: Vec<String>,
+    /// Browser origins whose pages may call the REST API (CORS; `*`: any).
+    pub cors_allowed_origins: Vec<String>,
     /// Most WebSocket connections open at once for one member (or subscriber) on this keygate.
     pub ws_max_connections_per_member: usize,
     /// How often WebSocket members are pinged; two intervals without a word close the connection.
@@ -87,6 +89,7 @@ impl Settings {
             admin_listen: None,
             backlog_sample_interval: Some(Duration::from_secs(15)),
             ws_allowed_origins: Vec::new(),
+            cors_allowed_origins: Vec::new(),
             ws_ping_interval: Duration::from_secs(15),
             ws_max_connections_per_member: 16,
             state_replicas: None,

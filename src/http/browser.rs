@@ -7,7 +7,9 @@
 //! - **Cross-site requests.** A page may POST to another origin without a
 //!   CORS preflight when the request has no JSON body (step-down, skip,
 //!   retry-now, unpin). Requests that change state and carry an `Origin`
-//!   other than keygate's own or an allowed one are refused.
+//!   other than keygate's own or one allowed (`--cors-allowed-origins`, or
+//!   `--ws-allowed-origins` for pages that also open WebSocket members) are
+//!   refused.
 
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, Method};
@@ -36,7 +38,7 @@ pub fn is_loopback_host(host: &str) -> bool {
 /// request was sent to) or one the operator allowed (`*`: any).
 pub fn origin_allowed(origin: &str, host: &str, allowed: &[String]) -> bool {
     let same = origin.split_once("://").is_some_and(|(_, authority)| authority.eq_ignore_ascii_case(host));
-    same || allowed.iter().any(|a| a == "*" || a.eq_ignore_ascii_case(origin))
+    same || super::cors::allows(allowed, origin)
 }
 
 /// The request's `Origin`, when a browser sent one. `null` (a sandboxed
@@ -59,9 +61,12 @@ pub async fn guard(State(state): State<AppState>, request: Request, next: Next) 
     }
     let changes_state = !matches!(*request.method(), Method::GET | Method::HEAD | Method::OPTIONS);
     if let Some(origin) = origin_of(headers).filter(|_| changes_state) {
-        if !origin_allowed(origin, host, &state.settings.ws_allowed_origins) {
+        let settings = &state.settings;
+        let allowed = origin_allowed(origin, host, &settings.ws_allowed_origins)
+            || super::cors::allows(&settings.cors_allowed_origins, origin);
+        if !allowed {
             return ApiError::OriginNotAllowed(format!(
-                "origin {origin} may not change keygate's state (see --ws-allowed-origins)"
+                "origin {origin} may not change keygate's state (see --cors-allowed-origins)"
             ))
             .into_response();
         }

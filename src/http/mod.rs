@@ -4,6 +4,7 @@
 pub mod auth;
 pub mod browser;
 pub mod consumers;
+pub mod cors;
 pub mod dead_letters;
 pub mod events;
 pub mod extract;
@@ -187,13 +188,18 @@ pub fn router(state: AppState) -> Router {
     if !separate_admin {
         app = app.merge(metrics_route());
     }
-    app.layer(axum::middleware::from_fn(record_request))
+    let mut app = app
+        .layer(axum::middleware::from_fn(record_request))
         .layer(axum::middleware::from_fn_with_state(state.clone(), browser::guard))
         .fallback(|| async { ApiError::NotFound("no such route".into()) })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed("method not allowed on this route".into()) })
         .layer(DefaultBodyLimit::max(body_limit))
-        .layer(CatchPanicLayer::custom(|_| ApiError::Internal("a handler panicked".into()).into_response()))
-        .layer(TraceLayer::new_for_http().make_span_with(request_span))
+        .layer(CatchPanicLayer::custom(|_| ApiError::Internal("a handler panicked".into()).into_response()));
+    // Outside the guard and authentication: a preflight carries no token.
+    if let Some(cors) = cors::layer(&state.settings.cors_allowed_origins) {
+        app = app.layer(cors);
+    }
+    app.layer(TraceLayer::new_for_http().make_span_with(request_span))
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
         .with_state(state)

@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 
 use crate::support::{into_parts, TestApp};
 
-const SECRET: &str = "a-test-secret-of-at-least-32-bytes!!";
+pub(crate) const SECRET: &str = "a-test-secret-of-at-least-32-bytes!!";
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/it/fixtures/auth").join(name)
@@ -25,15 +25,21 @@ fn hs256(claims: Value) -> String {
     encode(&Header::new(Algorithm::HS256), &all, &EncodingKey::from_secret(SECRET.as_bytes()).unwrap()).unwrap()
 }
 
-fn scoped(scope: &str) -> String {
+pub(crate) fn scoped(scope: &str) -> String {
     hs256(json!({ "scope": scope }))
 }
 
-async fn start_with_secret() -> TestApp {
+pub(crate) async fn start_with_secret() -> TestApp {
     TestApp::start_with(|s| s.auth.hs256_secret = Some(SECRET.into())).await
 }
 
-async fn call(app: &TestApp, method: &str, path: &str, token: Option<&str>, body: Option<Value>) -> (u16, Value) {
+pub(crate) async fn call(
+    app: &TestApp,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<Value>,
+) -> (u16, Value) {
     let (status, body, _) = call_full(app, method, path, token, body).await;
     (status, body)
 }

@@ -5,6 +5,7 @@ mod chaos;
 mod cli;
 mod cluster;
 mod consumers;
+mod cors;
 mod dead_letters;
 mod delivery;
 mod demo;
