@@ -4,6 +4,7 @@
 pub mod app;
 pub mod auth;
 pub mod cli;
+pub mod cloudevents;
 pub mod consumers;
 pub mod dead_letters;
 pub mod delivery;

@@ -53,6 +53,23 @@ pub struct BreakerSpec {
     pub probe_interval_ms: Option<u64>,
 }
 
+/// How a delivery's request is shaped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum DeliveryFormat {
+    /// The payload as the body, keygate's headers beside it.
+    #[default]
+    Raw,
+    /// The same, plus the CloudEvents binary-mode attributes (`ce-*`).
+    Cloudevents,
+}
+
+impl DeliveryFormat {
+    fn is_raw(&self) -> bool {
+        *self == Self::Raw
+    }
+}
+
 /// A webhook as `PUT …/members/{member}/webhook` takes it.
 #[derive(Clone, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -105,6 +122,13 @@ pub struct WebhookSpec {
     /// How keygate authenticates to the endpoint.
     #[serde(default)]
     pub auth: Option<OutboundAuth>,
+    /// `cloudevents`: deliver in CloudEvents binary mode (default `raw`).
+    #[serde(default)]
+    pub format: Option<DeliveryFormat>,
+    /// With `cloudevents`: the `ce-type` of events that carry none (default: the subject).
+    #[serde(default)]
+    #[schema(min_length = 1, max_length = 256)]
+    pub ce_type: Option<String>,
 }
 
 /// A stored registration.
@@ -139,6 +163,10 @@ pub struct Registration {
     pub headers: BTreeMap<String, String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auth: Option<OutboundAuth>,
+    #[serde(default, skip_serializing_if = "DeliveryFormat::is_raw")]
+    pub format: DeliveryFormat,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ce_type: Option<String>,
 }
 
 impl Registration {
@@ -176,6 +204,8 @@ impl std::fmt::Debug for WebhookSpec {
             .field("retry_statuses", &self.retry_statuses)
             .field("headers", &self.headers.as_ref().map(|h| h.keys().collect::<Vec<_>>()))
             .field("auth", &self.auth)
+            .field("format", &self.format)
+            .field("ce_type", &self.ce_type)
             .finish()
     }
 }
@@ -198,6 +228,8 @@ impl std::fmt::Debug for Registration {
             .field("retry_statuses", &self.retry_statuses)
             .field("headers", &self.headers.keys().collect::<Vec<_>>())
             .field("auth", &self.auth)
+            .field("format", &self.format)
+            .field("ce_type", &self.ce_type)
             .finish()
     }
 }
@@ -245,8 +277,8 @@ pub struct WebhookView {
     pub secret: Option<String>,
 }
 
-/// How a registration protects and authenticates to its endpoint, as the
-/// API shows it: members' webhooks and consumers' subscribers alike.
+/// How a registration calls its endpoint (format, protection, auth), as
+/// the API shows it: members' webhooks and consumers' subscribers alike.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct EndpointOptionsView {
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -263,6 +295,9 @@ pub struct EndpointOptionsView {
     /// How keygate authenticates (where its secrets are, never the secrets).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub auth: Option<OutboundAuth>,
+    pub format: DeliveryFormat,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ce_type: Option<String>,
 }
 
 impl EndpointOptionsView {
@@ -274,6 +309,8 @@ impl EndpointOptionsView {
             retry_statuses: r.retry_statuses.clone(),
             headers: r.headers.keys().cloned().collect(),
             auth: r.auth.clone(),
+            format: r.format,
+            ce_type: r.ce_type.clone(),
         }
     }
 }
@@ -431,6 +468,13 @@ impl WebhookStore {
         if let Some(auth) = &spec.auth {
             auth.check(&self.policy).await?;
         }
+        let format = spec.format.unwrap_or_default();
+        if let Some(event_type) = &spec.ce_type {
+            if format != DeliveryFormat::Cloudevents {
+                return Err(Error::Invalid("ce_type goes with \"format\": \"cloudevents\"".into()));
+            }
+            crate::cloudevents::check_event_type(event_type).map_err(Error::Invalid)?;
+        }
         let store = self.bucket().await?;
         let existing = self.read(&store, key).await?;
         let mut generated = None;
@@ -465,6 +509,8 @@ impl WebhookStore {
                 .and_then(|old| old.previous_secret_until),
             headers: spec.headers.unwrap_or_default(),
             auth: spec.auth,
+            format,
+            ce_type: spec.ce_type,
         };
         let bytes = Bytes::from(serde_json::to_vec(&registration).unwrap_or_default());
         store.put(key, bytes).await.map_err(|e| unavailable_or_internal("storing webhook", e))?;
@@ -713,6 +759,8 @@ mod tests {
             previous_secret_until: Some(1),
             headers: BTreeMap::from([("x-api-key".into(), "hidden-value".into())]),
             auth: None,
+            format: DeliveryFormat::Raw,
+            ce_type: None,
         };
         let shown = format!("{registration:?}");
         for secret in

@@ -12,7 +12,8 @@ use crate::app::AppState;
 use crate::consumers::{ConsumerPutOutcome, ConsumerSpec, ConsumerView, Policy};
 use crate::delivery::credentials::OutboundAuth;
 use crate::delivery::webhook::{
-    Backoff, BreakerSpec, EndpointOptionsView, Registration, RotateSecret, SubscriberOptions, WebhookSpec,
+    Backoff, BreakerSpec, DeliveryFormat, EndpointOptionsView, Registration, RotateSecret, SubscriberOptions,
+    WebhookSpec,
 };
 use crate::http::problem::{ApiError, Problem};
 use crate::names::{ConsumerName, MemberName, StreamName};
@@ -135,6 +136,10 @@ pub struct SubscriberSpec {
     pub retry_statuses: Option<Vec<u16>>,
     pub headers: Option<BTreeMap<String, String>>,
     pub auth: Option<OutboundAuth>,
+    /// `cloudevents`: deliver in CloudEvents binary mode (default `raw`).
+    pub format: Option<DeliveryFormat>,
+    #[schema(min_length = 1, max_length = 256)]
+    pub ce_type: Option<String>,
 }
 
 /// A consumer's webhook subscriber.
@@ -261,6 +266,8 @@ pub async fn put_subscriber(
         retry_statuses: spec.retry_statuses,
         headers: spec.headers,
         auth: spec.auth,
+        format: spec.format,
+        ce_type: spec.ce_type,
     };
     let key = format!("{stream}.{consumer}.{subscriber}");
     let (created, registration, secret) = state.consumer_webhooks.put_with(&key, webhook, Some(options)).await?;

@@ -1,17 +1,21 @@
 //! `/v1/streams/{stream}/messages`: keyed publishing.
 
-use axum::extract::State;
-use axum::http::HeaderMap;
+use std::collections::BTreeMap;
 
-use super::extract::{Json, Path};
+use axum::extract::{FromRequest, Request, State};
+use axum::http::HeaderMap;
+use bytes::Bytes;
+
+use super::extract::{Json, Path, Query};
 use crate::app::AppState;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
+use crate::cloudevents;
 use crate::error::Error;
 use crate::http::problem::{ApiError, Problem};
 use crate::names::StreamName;
-use crate::publish::{self, BatchRequest, PublishAck, PublishRequest};
+use crate::publish::{self, BatchRequest, HeaderValues, PublishAck, PublishRequest};
 use crate::streams::StreamShape;
 
 /// One item of a batch answer: the ack or the problem.
@@ -57,42 +61,140 @@ fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
     }
 }
 
+/// A CloudEvent in structured mode (the CloudEvents 1.0 JSON format), as
+/// `POST …/messages` takes it with `Content-Type: application/cloudevents+json`.
+/// Its other members are extension attributes (names of a-z and 0-9, at
+/// most 20), such as `partitionkey`, the key.
+#[derive(ToSchema)]
+#[allow(dead_code)] // the document's schema: the handler reads the event with `cloudevents::parse_structured`
+pub struct CloudEvent {
+    #[schema(example = "1.0", pattern = "^1\\.0$")]
+    specversion: String,
+    #[schema(min_length = 1, max_length = 4096)]
+    id: String,
+    #[schema(min_length = 1, max_length = 4096, example = "/orders")]
+    source: String,
+    #[schema(rename = "type", min_length = 1, max_length = 4096, example = "order.created")]
+    event_type: String,
+    datacontenttype: Option<String>,
+    dataschema: Option<String>,
+    subject: Option<String>,
+    #[schema(format = DateTime)]
+    time: Option<String>,
+    /// The key, unless `?key=` is given.
+    partitionkey: Option<String>,
+    /// The data as JSON (a string with a non-JSON `datacontenttype` is the data itself).
+    #[schema(value_type = Option<serde_json::Value>)]
+    data: Option<serde_json::Value>,
+    /// Or the data as base64 bytes.
+    data_base64: Option<String>,
+    #[serde(flatten)]
+    extensions: BTreeMap<String, ExtensionAttribute>,
+}
+
+/// An extension attribute's value.
+#[derive(ToSchema)]
+#[allow(dead_code)]
+#[serde(untagged)]
+pub enum ExtensionAttribute {
+    Text(String),
+    Integer(i64),
+    Boolean(bool),
+}
+
+/// `?key=` of a CloudEvents publish.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct EventKey {
+    /// CloudEvents only: the key, in place of the event's `partitionkey`.
+    pub key: Option<String>,
+}
+
 /// Publishes one keyed message; answers after JetStream has stored it.
 ///
 /// The key fills the `*` of the stream's subject (keys that are not valid
 /// subject tokens are escaped reversibly). Without a key, messages are spread
 /// round-robin over the partitions. `Idempotency-Key` is the same as `msg_id`.
+///
+/// A CloudEvent is published as it is: in structured mode
+/// (`Content-Type: application/cloudevents+json`) or in binary mode
+/// (`ce-specversion`, `ce-id`, `ce-source`, `ce-type` and other `ce-*`
+/// headers, the body as the data). Its data becomes the payload, its
+/// attributes the message's `ce-*` headers, and its key is `?key=` or else
+/// its `partitionkey`.
 #[utoipa::path(
     post,
     path = "/v1/streams/{stream}/messages",
     tag = "messages",
     params(
         ("stream" = String, Path, description = "Stream name"),
-        ("Idempotency-Key" = Option<String>, Header, description = "De-duplication id (same as msg_id)")
+        ("Idempotency-Key" = Option<String>, Header, description = "De-duplication id (same as msg_id)"),
+        EventKey
     ),
-    request_body = PublishRequest,
+    request_body(content(
+        (PublishRequest = "application/json"),
+        (CloudEvent = "application/cloudevents+json")
+    )),
     responses(
         (status = 200, description = "stored (or a duplicate of a stored message)", body = PublishAck),
         (status = 400, description = "invalid message", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "unknown stream", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "larger than the server's max_payload", body = Problem, content_type = "application/problem+json"),
+        (status = 415, description = "neither JSON nor a CloudEvent", body = Problem, content_type = "application/problem+json"),
         (status = 503, description = "NATS unavailable", body = Problem, content_type = "application/problem+json")
     )
 )]
 pub async fn publish_message(
     State(state): State<AppState>,
     Path(stream): Path<StreamName>,
+    Query(query): Query<EventKey>,
     headers: HeaderMap,
-    Json(request): Json<PublishRequest>,
+    request: Request,
 ) -> Result<Json<PublishAck>, ApiError> {
     let started = std::time::Instant::now();
-    let key = idempotency_key(&headers)?;
+    let idempotency = idempotency_key(&headers)?;
+    let structured = cloudevents::is_structured(&headers);
+    let request = if structured || cloudevents::is_binary(&headers) {
+        let body = Bytes::from_request(request, &state).await?;
+        let event = match structured {
+            true => cloudevents::parse_structured(&body),
+            false => cloudevents::parse_binary(&headers, body.to_vec()),
+        };
+        event_request(event.map_err(|why| ApiError::BadRequest(format!("invalid CloudEvent: {why}")))?, query.key)
+    } else if query.key.is_some() {
+        return Err(ApiError::BadRequest("?key= is for CloudEvents; a JSON message gives its key in the body".into()));
+    } else {
+        Json::<PublishRequest>::from_request(request, &state).await?.0
+    };
     let shape = publishable_shape(&state, &stream).await?;
-    let prepared = publish::prepare(&shape, request, key.as_deref(), state.max_payload());
+    let prepared = publish::prepare(&shape, request, idempotency.as_deref(), state.max_payload());
     let results = publish::publish_all(&state.js, &shape, vec![prepared]).await;
     record(&stream, &results, "single", started);
     let mut results = results;
     results.pop().unwrap_or_else(|| Err(Error::Internal("no publish result".into()))).map(Json).map_err(ApiError::from)
+}
+
+/// The message a CloudEvent is published as.
+fn event_request(event: cloudevents::Event, key: Option<String>) -> PublishRequest {
+    let key = key.or_else(|| event.partition_key().map(str::to_owned));
+    let headers = event.headers().map(|(name, value)| (name, HeaderValues::One(value))).collect();
+    let (data, data_base64) = match event.data {
+        cloudevents::Data::None => (None, None),
+        cloudevents::Data::Json(json) => (Some(json), None),
+        cloudevents::Data::Bytes(bytes) => {
+            (None, Some(base64::Engine::encode(&base64::engine::general_purpose::STANDARD, bytes)))
+        }
+    };
+    PublishRequest {
+        key,
+        subject: None,
+        data,
+        data_base64,
+        content_type: event.content_type,
+        headers: Some(headers),
+        msg_id: None,
+        spread: None,
+    }
 }
 
 /// Publishes several messages with all acks in flight at once; answers each

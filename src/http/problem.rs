@@ -172,6 +172,16 @@ impl From<axum::extract::rejection::JsonRejection> for ApiError {
     }
 }
 
+impl From<axum::extract::rejection::BytesRejection> for ApiError {
+    fn from(rejection: axum::extract::rejection::BytesRejection) -> Self {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            Self::PayloadTooLarge("the request body is larger than keygate accepts".to_owned())
+        } else {
+            Self::BadRequest(rejection.body_text())
+        }
+    }
+}
+
 impl From<axum::extract::rejection::PathRejection> for ApiError {
     fn from(rejection: axum::extract::rejection::PathRejection) -> Self {
         Self::BadRequest(format!("invalid path: {}", rejection.body_text()))

@@ -1,6 +1,7 @@
 //! One delivery to a member's webhook: the request (payload, signature and
-//! `keygate-*` headers), and what its verdict does to the message (ack, NAK
-//! with backoff, or dead-letter then terminate).
+//! `keygate-*` headers; the CloudEvents attributes in that format), and what
+//! its verdict does to the message (ack, NAK with backoff, or dead-letter
+//! then terminate).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,13 +10,14 @@ use async_nats::jetstream::AckKind;
 
 use super::context::InstanceContext;
 use super::lanes::{Settled, Settlement};
+use crate::cloudevents;
 use crate::dead_letters::{self, DeadLetter};
 use crate::delivery::endpoint::{Endpoint, WebhookEndpoint};
 use crate::delivery::header_safe;
 use crate::delivery::message::{forwardable, Delivered, Held};
 use crate::delivery::protection::{BreakerStep, Protection};
 use crate::delivery::verdict::{backoff, Judgement, Verdict};
-use crate::delivery::webhook::Outbound;
+use crate::delivery::webhook::{DeliveryFormat, Outbound, Registration};
 use crate::events::{About, Event};
 use crate::member_ref::MemberRef;
 use crate::pauses::{Pause, BREAKER};
@@ -66,7 +68,7 @@ pub struct Outcome {
     pub gone: bool,
 }
 
-fn outbound(who: &MemberRef, held: &Delivered, fencing: u64) -> Outbound {
+fn outbound(registration: &Registration, who: &MemberRef, held: &Delivered, fencing: u64) -> Outbound {
     let mut headers = Vec::new();
     let mut content_type = None;
     if let Some(original) = &held.message.headers {
@@ -96,7 +98,20 @@ fn outbound(who: &MemberRef, held: &Delivered, fencing: u64) -> Outbound {
     headers.push(("keygate-stream-seq".into(), held.origin_seq.to_string()));
     headers.push(("keygate-attempt".into(), held.attempt.to_string()));
     headers.push(("keygate-fencing-token".into(), fencing.to_string()));
-    Outbound { id: format!("{}-{}", held.origin_stream, held.origin_seq), body: held.message.payload.clone(), headers }
+    let id = format!("{}-{}", held.origin_stream, held.origin_seq);
+    if registration.format == DeliveryFormat::Cloudevents {
+        let event = cloudevents::Delivery {
+            id: &id,
+            stream: who.stream.as_str(),
+            subject: &held.subject,
+            key: held.key.as_deref(),
+            time: held.message.info().map_or_else(|_| time::OffsetDateTime::now_utc(), |info| info.published),
+            event_type: registration.ce_type.as_deref(),
+        };
+        let attributes = cloudevents::binary_headers(&event, &headers);
+        headers.extend(attributes);
+    }
+    Outbound { id, body: held.message.payload.clone(), headers }
 }
 
 /// One delivery: call the endpoint, apply its verdict to the message.
@@ -120,7 +135,10 @@ pub async fn deliver(
         Endpoint::Webhook(webhook) => {
             let WebhookEndpoint { registration, signer, protection, credentials } = &**webhook;
             protection.wait_turn().await;
-            let judgement = ctx.webhooks.call(registration, signer, credentials, &outbound(&who, &held, fencing)).await;
+            let judgement = ctx
+                .webhooks
+                .call(registration, signer, credentials, &outbound(registration, &who, &held, fencing))
+                .await;
             metrics::histogram!(crate::metrics::ENDPOINT_SECONDS, &labels).record(called.elapsed().as_secs_f64());
             let step = protection.record(judgement.failed);
             Box::pin(breaker_step(&ctx, &who, protection, step, &judgement, &mut events)).await;

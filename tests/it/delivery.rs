@@ -117,7 +117,7 @@ async fn webhooks_receive_signed_messages_in_key_order_with_keygate_headers() {
 }
 
 /// What the Standard Webhooks library needs of a recorded delivery.
-fn signed(r: &Recorded) -> Value {
+pub(crate) fn signed(r: &Recorded) -> Value {
     json!({
         "headers": {
             "webhook-id": r.header("webhook-id"),
@@ -182,7 +182,7 @@ async fn a_rotated_secret_signs_beside_the_old_one_for_the_overlap_then_alone() 
     assert_eq!(app.post("/v1/streams/ORDERS/groups/g/members/m2/webhook/rotate-secret", json!({})).await.0, 404);
 }
 
-fn verify_with_standardwebhooks(secret: &str, requests: &[Value], expect_valid: bool) {
+pub(crate) fn verify_with_standardwebhooks(secret: &str, requests: &[Value], expect_valid: bool) {
     let script = r#"
 import base64, json, sys
 from standardwebhooks.webhooks import Webhook

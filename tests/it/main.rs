@@ -3,6 +3,7 @@
 mod auth;
 mod chaos;
 mod cli;
+mod cloudevents;
 mod cluster;
 mod consumers;
 mod cors;
