@@ -25,6 +25,7 @@ pub mod settings;
 pub mod status;
 pub mod streams;
 pub mod supervisor;
+pub mod telemetry;
 
 pub use app::{run, AppState};
 pub use settings::Settings;

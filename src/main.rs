@@ -257,16 +257,30 @@ impl ServeArgs {
     }
 }
 
-fn init_logs(format: LogFormat) {
+/// Logs to standard output, filtered by `KEYGATE_LOG`; spans also go to
+/// OTLP when the `OTEL_*` variables ask for it (the provider returned, to
+/// be flushed at exit). Exported spans have their own filter, so a quiet
+/// log level does not silence traces.
+fn init_logs(format: LogFormat) -> anyhow::Result<Option<opentelemetry_sdk::trace::SdkTracerProvider>> {
+    use opentelemetry::trace::TracerProvider as _;
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+    use tracing_subscriber::Layer as _;
     let filter = tracing_subscriber::EnvFilter::try_from_env("KEYGATE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     // Colour codes only for a terminal: redirected logs stay plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stdout());
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi);
-    match format {
-        LogFormat::Json => builder.json().init(),
-        LogFormat::Pretty => builder.init(),
-    }
+    let logs = match format {
+        LogFormat::Json => tracing_subscriber::fmt::layer().json().boxed(),
+        LogFormat::Pretty => tracing_subscriber::fmt::layer().with_ansi(ansi).boxed(),
+    };
+    let provider = keygate::telemetry::otlp_provider()?;
+    let spans = provider.as_ref().map(|provider| {
+        let keygate_spans = tracing_subscriber::filter::Targets::new().with_target("keygate", tracing::Level::INFO);
+        tracing_opentelemetry::layer().with_tracer(provider.tracer("keygate")).with_filter(keygate_spans)
+    });
+    tracing_subscriber::registry().with(logs.with_filter(filter)).with(spans).init();
+    Ok(provider)
 }
 
 async fn shutdown_signal(token: CancellationToken) {
@@ -308,14 +322,19 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Serve(args) => {
-            init_logs(args.log_format);
+            let spans = init_logs(args.log_format)?;
             let settings = args.settings();
             let listener = tokio::net::TcpListener::bind(settings.listen)
                 .await
                 .with_context(|| format!("listening on {}", settings.listen))?;
             let token = CancellationToken::new();
             tokio::spawn(shutdown_signal(token.clone()));
-            if let Err(e) = keygate::run(settings, listener, token).await {
+            let outcome = keygate::run(settings, listener, token).await;
+            if let Some(provider) = spans {
+                // The batch exporter blocks while it sends what is left.
+                let _ = tokio::task::spawn_blocking(move || provider.shutdown()).await;
+            }
+            if let Err(e) = outcome {
                 eprintln!("keygate: {e:#}");
                 std::process::exit(1);
             }

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use axum::extract::{FromRequest, Request, State};
 use axum::http::HeaderMap;
 use bytes::Bytes;
+use tracing::Instrument;
 
 use super::extract::{Json, Path, Query};
 use crate::app::AppState;
@@ -17,6 +18,7 @@ use crate::http::problem::{ApiError, Problem};
 use crate::names::StreamName;
 use crate::publish::{self, BatchRequest, HeaderValues, PublishAck, PublishRequest};
 use crate::streams::StreamShape;
+use crate::telemetry::TraceContext;
 
 /// One item of a batch answer: the ack or the problem.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
@@ -166,12 +168,30 @@ pub async fn publish_message(
     } else {
         Json::<PublishRequest>::from_request(request, &state).await?.0
     };
-    let shape = publishable_shape(&state, &stream).await?;
-    let prepared = publish::prepare(&shape, request, idempotency.as_deref(), state.max_payload());
-    let results = publish::publish_all(&state.js, &shape, vec![prepared]).await;
-    record(&stream, &results, "single", started);
-    let mut results = results;
-    results.pop().unwrap_or_else(|| Err(Error::Internal("no publish result".into()))).map(Json).map_err(ApiError::from)
+    let mut request = request;
+    let span = tracing::info_span!("publish", stream = %stream, messages = 1);
+    if let Some(trace) = carried_trace(&span, &headers) {
+        request.carry(&trace);
+    }
+    async {
+        let shape = publishable_shape(&state, &stream).await?;
+        let prepared = publish::prepare(&shape, request, idempotency.as_deref(), state.max_payload());
+        let mut results = publish::publish_all(&state.js, &shape, vec![prepared]).await;
+        record(&stream, &results, "single", started);
+        results
+            .pop()
+            .unwrap_or_else(|| Err(Error::Internal("no publish result".into())))
+            .map(Json)
+            .map_err(ApiError::from)
+    }
+    .instrument(span)
+    .await
+}
+
+/// The trace context stored with published messages: keygate's publish
+/// span when spans are exported, else the caller's own, passed through.
+fn carried_trace(span: &tracing::Span, headers: &HeaderMap) -> Option<TraceContext> {
+    TraceContext::of_span(span).or_else(|| TraceContext::from_http(headers))
 }
 
 /// The message a CloudEvent is published as.
@@ -215,7 +235,20 @@ fn event_request(event: cloudevents::Event, key: Option<String>) -> PublishReque
 pub async fn publish_batch(
     State(state): State<AppState>,
     Path(stream): Path<StreamName>,
-    Json(batch): Json<BatchRequest>,
+    headers: HeaderMap,
+    Json(mut batch): Json<BatchRequest>,
+) -> Result<Json<BatchResponse>, ApiError> {
+    let span = tracing::info_span!("publish", stream = %stream, messages = batch.messages.len());
+    if let Some(trace) = carried_trace(&span, &headers) {
+        batch.messages.iter_mut().for_each(|message| message.carry(&trace));
+    }
+    store_batch(state, stream, batch).instrument(span).await
+}
+
+async fn store_batch(
+    state: AppState,
+    stream: StreamName,
+    batch: BatchRequest,
 ) -> Result<Json<BatchResponse>, ApiError> {
     let limit = state.settings.max_batch_messages;
     if batch.messages.is_empty() {

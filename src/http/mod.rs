@@ -251,7 +251,11 @@ fn metrics_route() -> Router<AppState> {
 /// from the client when given, else generated, and echoed in the answer).
 fn request_span(request: &axum::http::Request<axum::body::Body>) -> tracing::Span {
     let id = request.headers().get("x-request-id").and_then(|v| v.to_str().ok()).unwrap_or("-");
-    tracing::info_span!("request", id, method = %request.method(), uri = %request.uri().path())
+    let span = tracing::info_span!("request", id, method = %request.method(), uri = %request.uri().path());
+    if let Some(caller) = crate::telemetry::TraceContext::from_http(request.headers()) {
+        caller.parent_of(&span);
+    }
+    span
 }
 
 /// Ends a `/v1` request that runs longer than the configured limit with a

@@ -21,6 +21,7 @@ use crate::delivery::webhook::{DeliveryFormat, Outbound, Registration};
 use crate::events::{About, Event};
 use crate::member_ref::MemberRef;
 use crate::pauses::{Pause, BREAKER};
+use crate::telemetry::{TraceContext, TRACEPARENT, TRACESTATE};
 
 /// What lets a message leave its consumer. Nothing else does: every ack and
 /// term keygate sends goes through [`remove`] with one of these
@@ -68,13 +69,23 @@ pub struct Outcome {
     pub gone: bool,
 }
 
-fn outbound(registration: &Registration, who: &MemberRef, held: &Delivered, fencing: u64) -> Outbound {
+/// The request for one delivery. `trace` is the delivery span's context
+/// when spans are exported: it replaces the one the message carries.
+fn outbound(
+    registration: &Registration,
+    who: &MemberRef,
+    held: &Delivered,
+    fencing: u64,
+    trace: Option<&TraceContext>,
+) -> Outbound {
     let mut headers = Vec::new();
     let mut content_type = None;
     if let Some(original) = &held.message.headers {
         for (name, values) in original.iter() {
             let name: &str = name.as_ref();
-            if !forwardable(name) {
+            let replaced =
+                trace.is_some() && (name.eq_ignore_ascii_case(TRACEPARENT) || name.eq_ignore_ascii_case(TRACESTATE));
+            if !forwardable(name) || replaced {
                 continue;
             }
             for value in values {
@@ -98,6 +109,7 @@ fn outbound(registration: &Registration, who: &MemberRef, held: &Delivered, fenc
     headers.push(("keygate-stream-seq".into(), held.origin_seq.to_string()));
     headers.push(("keygate-attempt".into(), held.attempt.to_string()));
     headers.push(("keygate-fencing-token".into(), fencing.to_string()));
+    headers.extend(trace.into_iter().flat_map(|t| t.headers()).map(|(n, v)| (n.to_owned(), v.to_owned())));
     let id = format!("{}-{}", held.origin_stream, held.origin_seq);
     if registration.format == DeliveryFormat::Cloudevents {
         let event = cloudevents::Delivery {
@@ -123,6 +135,12 @@ pub async fn deliver(
     fencing: u64,
 ) -> Outcome {
     let labels = [("stream", who.stream.to_string()), ("group", who.group.to_string())];
+    let span = tracing::info_span!("deliver", "otel.kind" = "client", stream = %who.stream, group = %who.group,
+        member = %who.member, partition = held.partition, seq = held.origin_seq, attempt = held.attempt,
+        verdict = tracing::field::Empty, endpoint_ms = tracing::field::Empty);
+    if let Some(origin) = TraceContext::from_message(held.message.headers.as_ref()) {
+        origin.parent_of(&span);
+    }
     let called = std::time::Instant::now();
     let mut events = Vec::new();
     let judgement = match &*endpoint {
@@ -135,10 +153,11 @@ pub async fn deliver(
         Endpoint::Webhook(webhook) => {
             let WebhookEndpoint { registration, signer, protection, credentials } = &**webhook;
             protection.wait_turn().await;
-            let judgement = ctx
-                .webhooks
-                .call(registration, signer, credentials, &outbound(registration, &who, &held, fencing))
-                .await;
+            let trace = TraceContext::of_span(&span);
+            let request = outbound(registration, &who, &held, fencing, trace.as_ref());
+            let sent = std::time::Instant::now();
+            let judgement = ctx.webhooks.call(registration, signer, credentials, &request).await;
+            span.record("endpoint_ms", sent.elapsed().as_secs_f64() * 1000.0);
             metrics::histogram!(crate::metrics::ENDPOINT_SECONDS, &labels).record(called.elapsed().as_secs_f64());
             let step = protection.record(judgement.failed);
             Box::pin(breaker_step(&ctx, &who, protection, step, &judgement, &mut events)).await;
@@ -146,6 +165,7 @@ pub async fn deliver(
         }
         Endpoint::Socket(socket) => {
             let judgement = socket.call(&who, &held, fencing).await;
+            span.record("endpoint_ms", called.elapsed().as_secs_f64() * 1000.0);
             metrics::histogram!(crate::metrics::ENDPOINT_SECONDS, &labels).record(called.elapsed().as_secs_f64());
             judgement
         }
@@ -183,6 +203,7 @@ pub async fn deliver(
         Settled::Done(Settlement::Terminated) => "term",
         _ => "nak",
     };
+    span.record("verdict", verdict);
     let mut with_verdict = labels.to_vec();
     with_verdict.push(("verdict", verdict.to_owned()));
     metrics::counter!(crate::metrics::DELIVERIES, &with_verdict).increment(1);

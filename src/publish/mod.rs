@@ -72,6 +72,18 @@ pub struct PublishRequest {
     pub spread: Option<Spread>,
 }
 
+impl PublishRequest {
+    /// Adds the trace context's headers, unless the message names its own.
+    pub fn carry(&mut self, trace: &crate::telemetry::TraceContext) {
+        let headers = self.headers.get_or_insert_with(Default::default);
+        for (name, value) in trace.headers() {
+            if !headers.keys().any(|own| own.eq_ignore_ascii_case(name)) {
+                headers.insert(name.to_owned(), HeaderValues::One(value.to_owned()));
+            }
+        }
+    }
+}
+
 /// How keyless messages are spread over partitions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]

@@ -32,11 +32,13 @@ pub struct Launch<'a> {
     pub extra: &'a [&'a str],
     /// Where standard output (the logs) goes.
     pub logs: Stdio,
+    /// Environment variables besides `KEYGATE_LOG`.
+    pub env: &'a [(&'a str, &'a str)],
 }
 
 impl Launch<'_> {
-    fn plain(nats: NatsEndpoint) -> Self {
-        Self { nats, instance_id: None, log_filter: "warn", extra: &[], logs: Stdio::null() }
+    pub fn plain(nats: NatsEndpoint) -> Self {
+        Self { nats, instance_id: None, log_filter: "warn", extra: &[], logs: Stdio::null(), env: &[] }
     }
 }
 
@@ -74,6 +76,7 @@ impl KeygateProcess {
             log_filter: filter,
             extra,
             logs,
+            env: &[],
         })
     }
 
@@ -99,6 +102,7 @@ impl KeygateProcess {
         let child = command
             .args(launch.extra)
             .env("KEYGATE_LOG", launch.log_filter)
+            .envs(launch.env.iter().copied())
             .stdout(launch.logs)
             .stderr(Stdio::null())
             .spawn()

@@ -24,6 +24,7 @@ mod publish;
 mod seek;
 mod serve;
 mod streams;
+mod telemetry;
 mod websocket;
 
 use keygate_testkit as support;
