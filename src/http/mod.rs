@@ -180,7 +180,10 @@ pub fn router(state: AppState) -> Router {
     let docs: Router<AppState> = Router::from(utoipa_swagger_ui::SwaggerUi::new("/docs").url("/openapi.json", doc))
         .layer(axum::middleware::map_response(docs_problem));
     let separate_admin = state.settings.admin_listen.is_some();
-    let docs = docs.route("/demo", axum::routing::get(demo_page)).route("/ui", axum::routing::get(dashboard_page));
+    let docs = docs
+        .route("/demo", axum::routing::get(demo_page))
+        .route("/ui", axum::routing::get(dashboard_page))
+        .route("/client/keygate.js", axum::routing::get(js_client));
     let mut app = api
         .route_layer(axum::middleware::from_fn_with_state(state.settings.request_timeout, bounded_in_time))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth::authorize))
@@ -210,6 +213,14 @@ async fn demo_page() -> Response {
     self_contained_page(include_str!("demo.html"))
 }
 
+/// The JavaScript client (clients/js/keygate.js), for pages to import
+/// from keygate itself as /demo does.
+async fn js_client() -> Response {
+    let javascript = (axum::http::header::CONTENT_TYPE, "text/javascript; charset=utf-8");
+    let cache = (axum::http::header::CACHE_CONTROL, "no-cache");
+    ([javascript, cache], include_str!("../../clients/js/keygate.js")).into_response()
+}
+
 /// The live dashboard: streams, groups, partitions by owner, pins, backlog,
 /// blocked partitions and events, with admin actions.
 async fn dashboard_page() -> Response {
@@ -224,7 +235,7 @@ fn self_contained_page(html: &'static str) -> Response {
             (axum::http::header::CONTENT_TYPE, "text/html; charset=utf-8"),
             (
                 axum::http::header::CONTENT_SECURITY_POLICY,
-                "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'",
+                "default-src 'none'; script-src 'self' 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'",
             ),
         ],
         html,

@@ -63,7 +63,7 @@ async fn the_demo_page_joins_a_group_receives_messages_in_order_and_acks_them_by
     println!("screenshot: {}", artifact.display());
 }
 
-async fn wait_for(browser: &mut Browser, condition: &str) {
+pub(crate) async fn wait_for(browser: &mut Browser, condition: &str) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while browser.eval(condition).await != true {
         assert!(Instant::now() < deadline, "never true: {condition}");

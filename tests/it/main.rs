@@ -14,6 +14,7 @@ mod errors;
 mod failover;
 mod groups;
 mod hardening;
+mod js_client;
 mod key_order;
 mod node_loss;
 mod openapi;

@@ -1,0 +1,116 @@
+//! The JavaScript client (clients/js/keygate.js, docs/js-client.md) in
+//! headless Chromium against a live keygate: it publishes, joins a group
+//! as a member and acks through its async iterator, and when every
+//! connection is cut in the middle of a stream it reconnects with a
+//! refreshed token and resumes: nothing is lost, each key's first
+//! deliveries stay in order, and a message that comes twice says so with
+//! its `attempt`. Against a real nats-server.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::demo::wait_for;
+use crate::support::browser::Browser;
+use crate::support::proxy::CuttableProxy;
+use crate::support::{eventually, TestApp};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// Installs `window.kg`: a client at `base` whose token function counts its
+/// calls, a membership of JS/g/web that records every message and acks it
+/// after 30 ms (a verdict its connection lost is counted, not sent), and
+/// what the callbacks saw.
+const JOIN: &str = r#"(async () => {
+  const { KeygateClient, ConnectionLost } = await import("/client/keygate.js");
+  const kg = window.kg = { received: [], pins: 0, tokenCalls: 0, states: [], lost: 0, errors: [] };
+  kg.client = new KeygateClient({ baseUrl: location.origin, token: () => { kg.tokenCalls += 1; return null; } });
+  const membership = kg.client.join("JS", "g", "web", {
+    maxInFlight: 8, reconnectInitialMs: 100, reconnectMaxMs: 500,
+    onPinned: () => { kg.pins += 1; },
+    onState: (state) => kg.states.push(state),
+    onError: (e) => kg.errors.push(e.error),
+  });
+  (async () => {
+    for await (const m of membership) {
+      kg.received.push({ id: m.id, key: m.key, seq: m.streamSeq, attempt: m.attempt, data: m.data });
+      setTimeout(() => {
+        try { m.ack(); } catch (e) { if (e instanceof ConnectionLost) kg.lost += 1; else kg.errors.push(String(e)); }
+      }, 30);
+    }
+  })();
+  return true;
+})()"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_js_client_publishes_joins_and_resumes_in_key_order_through_a_reconnect() {
+    let app = TestApp::start().await;
+    app.create_stream("JS", json!({"subjects":["js.*"],"partitions":2})).await;
+    let group = json!({"kind":"static","partitions":2,"members":["web"],"ack_wait_ms":2000});
+    assert_eq!(app.put("/v1/streams/JS/groups/g", group).await.0, 201);
+    let proxy = CuttableProxy::start(app.base.trim_start_matches("http://").to_owned()).await;
+    let proxied = format!("http://127.0.0.1:{}", proxy.port);
+
+    let mut browser = Browser::launch().await;
+    browser.navigate(&format!("{proxied}/demo")).await;
+    assert_eq!(browser.eval(JOIN).await, true);
+    // Published by the client: a batch, then one more, over four keys.
+    let published = browser
+        .eval(
+            r#"(async () => {
+              const batch = await kg.client.publishBatch("JS",
+                Array.from({ length: 19 }, (_, n) => ({ key: "abcd"[n % 4], data: { n } })));
+              const one = await kg.client.publish("JS", { key: "d", data: { n: 19 } });
+              let refused = null;
+              try { await kg.client.publish("NOPE", { data: 1 }); } catch (e) { refused = [e.name, e.status, e.problem.type]; }
+              return { seqs: batch.results.map((r) => r.seq).concat([one.seq]), refused };
+            })()"#,
+        )
+        .await;
+    assert_eq!(published["seqs"].as_array().unwrap().len(), 20, "{published}");
+    assert_eq!(published["refused"][0], "KeygateError");
+    assert_eq!(published["refused"][1], 404);
+
+    // In the middle of the stream every connection is cut.
+    wait_for(&mut browser, "kg.received.length >= 8").await;
+    proxy.cut();
+    for n in 20..40 {
+        let key = ["a", "b", "c", "d"][n % 4];
+        let (status, _) = app.post("/v1/streams/JS/messages", json!({"key": key, "data": {"n": n}})).await;
+        assert_eq!(status, 200);
+    }
+    wait_for(&mut browser, "new Set(kg.received.map((m) => m.id)).size >= 40").await;
+    eventually(WAIT, || async {
+        let info = app.js.get_stream("JS").await.ok()?.consumer_info("g-web").await.ok()?;
+        (info.ack_floor.stream_sequence == 40 && info.num_ack_pending == 0).then_some(())
+    })
+    .await;
+
+    let seen = browser.eval("({ received: kg.received, pins: kg.pins, tokenCalls: kg.tokenCalls, states: kg.states, lost: kg.lost, errors: kg.errors })").await;
+    let states: Vec<&str> = seen["states"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
+    assert!(states.contains(&"reconnecting") && states.last() == Some(&"open"), "{states:?}");
+    assert!(seen["tokenCalls"].as_u64().unwrap() >= 3, "the token is asked for again on reconnect: {seen}");
+    assert!(seen["pins"].as_u64().unwrap() >= 2, "pinned again after the reconnect: {seen}");
+    assert_eq!(seen["errors"], json!([]));
+
+    let mut first_seqs: HashMap<String, Vec<u64>> = HashMap::new();
+    let mut attempts: HashMap<String, u64> = HashMap::new();
+    for m in seen["received"].as_array().unwrap() {
+        let (id, attempt) = (m["id"].as_str().unwrap().to_owned(), m["attempt"].as_u64().unwrap());
+        match attempts.get(&id) {
+            // Delivered again: only with a higher attempt.
+            Some(before) => assert!(attempt > *before, "{id} came again as attempt {attempt} after {before}"),
+            None => {
+                first_seqs.entry(m["key"].as_str().unwrap().to_owned()).or_default().push(m["seq"].as_u64().unwrap())
+            }
+        }
+        attempts.insert(id, attempt);
+    }
+    for (key, seqs) in &first_seqs {
+        assert!(seqs.windows(2).all(|w| w[0] < w[1]), "key {key} out of order: {seqs:?}");
+    }
+    assert_eq!(first_seqs.values().map(Vec::len).sum::<usize>(), 40, "every message arrived");
+    let again = seen["received"].as_array().unwrap().len() - 40;
+    println!("js client: 40 messages, {again} delivered again after the cut, {} verdicts lost with it", seen["lost"]);
+}
