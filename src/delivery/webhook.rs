@@ -253,34 +253,28 @@ pub struct SubscriberOptions {
 /// Where consumer subscribers' registrations are kept (key `<stream>.<consumer>.<subscriber>`).
 pub const CONSUMER_WEBHOOKS_BUCKET: &str = "keygate-consumer-webhooks";
 
-/// A registration as the API shows it.
+/// A member's webhook as the API shows it.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct WebhookView {
     pub stream: String,
     pub group: String,
     pub member: String,
-    pub url: String,
-    pub timeout_ms: u64,
-    pub max_attempts: u64,
-    pub backoff: Backoff,
     /// Most deliveries in flight at once, when set.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_in_flight: Option<usize>,
     #[serde(flatten)]
-    pub endpoint: EndpointOptionsView,
-    /// After a rotation: until when the previous secret also signs.
-    #[serde(skip_serializing_if = "Option::is_none", with = "time::serde::rfc3339::option")]
-    #[schema(value_type = Option<String>, format = DateTime)]
-    pub previous_secret_expires_at: Option<time::OffsetDateTime>,
-    /// The signing secret: only in the answer that generated it.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub secret: Option<String>,
+    pub registration: RegistrationView,
 }
 
-/// How a registration calls its endpoint (format, protection, auth), as
-/// the API shows it: members' webhooks and consumers' subscribers alike.
+/// What members' webhooks and consumers' subscribers show alike: where and
+/// how keygate calls the endpoint (format, protection, auth; where its
+/// secrets are, never the secrets), and the signing secret's state.
 #[derive(Debug, Clone, Serialize, ToSchema)]
-pub struct EndpointOptionsView {
+pub struct RegistrationView {
+    pub url: String,
+    pub timeout_ms: u64,
+    pub max_attempts: u64,
+    pub backoff: Backoff,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_rate: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -298,11 +292,23 @@ pub struct EndpointOptionsView {
     pub format: DeliveryFormat,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ce_type: Option<String>,
+    /// After a rotation: until when the previous secret also signs.
+    #[serde(skip_serializing_if = "Option::is_none", with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub previous_secret_expires_at: Option<time::OffsetDateTime>,
+    /// The signing secret: only in the answer that generated it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
 }
 
-impl EndpointOptionsView {
-    pub fn of(r: &Registration) -> Self {
+impl RegistrationView {
+    /// The view of `r`, with `secret` when this answer hands it out.
+    pub fn of(r: &Registration, secret: Option<String>) -> Self {
         Self {
+            url: r.url.clone(),
+            timeout_ms: r.timeout_ms,
+            max_attempts: r.max_attempts,
+            backoff: r.backoff,
             max_rate: r.max_rate,
             burst: r.burst,
             breaker: r.breaker,
@@ -311,6 +317,8 @@ impl EndpointOptionsView {
             auth: r.auth.clone(),
             format: r.format,
             ce_type: r.ce_type.clone(),
+            previous_secret_expires_at: r.previous_secret_expires(),
+            secret,
         }
     }
 }

@@ -12,8 +12,7 @@ use crate::app::AppState;
 use crate::consumers::{ConsumerPutOutcome, ConsumerSpec, ConsumerView, Policy};
 use crate::delivery::credentials::OutboundAuth;
 use crate::delivery::webhook::{
-    Backoff, BreakerSpec, DeliveryFormat, EndpointOptionsView, Registration, RotateSecret, SubscriberOptions,
-    WebhookSpec,
+    Backoff, BreakerSpec, DeliveryFormat, Registration, RegistrationView, RotateSecret, SubscriberOptions, WebhookSpec,
 };
 use crate::http::problem::{ApiError, Problem};
 use crate::names::{ConsumerName, MemberName, StreamName};
@@ -148,20 +147,9 @@ pub struct SubscriberView {
     pub stream: String,
     pub consumer: String,
     pub subscriber: String,
-    pub url: String,
-    pub timeout_ms: u64,
-    pub max_attempts: u64,
-    pub backoff: Backoff,
     pub options: SubscriberOptions,
     #[serde(flatten)]
-    pub endpoint: EndpointOptionsView,
-    /// After a rotation: until when the previous secret also signs.
-    #[serde(skip_serializing_if = "Option::is_none", with = "time::serde::rfc3339::option")]
-    #[schema(value_type = Option<String>, format = DateTime)]
-    pub previous_secret_expires_at: Option<time::OffsetDateTime>,
-    /// The signing secret: only in the answer that generated it.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub secret: Option<String>,
+    pub registration: RegistrationView,
 }
 
 fn subscriber_view(
@@ -171,25 +159,18 @@ fn subscriber_view(
     r: Registration,
     secret: Option<String>,
 ) -> SubscriberView {
-    let previous_secret_expires_at = r.previous_secret_expires();
-    let endpoint = EndpointOptionsView::of(&r);
+    let registration = RegistrationView::of(&r, secret);
     SubscriberView {
-        previous_secret_expires_at,
         stream: stream.to_string(),
         consumer: consumer.to_string(),
         subscriber: subscriber.to_string(),
-        url: r.url,
-        timeout_ms: r.timeout_ms,
-        max_attempts: r.max_attempts,
-        backoff: r.backoff,
-        endpoint,
         options: r.subscriber.unwrap_or(SubscriberOptions {
             priority: None,
             min_pending: None,
             min_ack_pending: None,
             concurrency: 1,
         }),
-        secret,
+        registration,
     }
 }
 

@@ -6,7 +6,7 @@ use axum::http::StatusCode;
 use super::extract::{Json, OptionalJson, Path};
 use crate::app::AppState;
 use crate::delivery::webhook::{
-    registration_key, EndpointOptionsView, Registration, RotateSecret, WebhookSpec, WebhookView,
+    registration_key, Registration, RegistrationView, RotateSecret, WebhookSpec, WebhookView,
 };
 use crate::http::problem::{ApiError, Problem};
 use crate::names::{GroupName, MemberName, StreamName};
@@ -18,19 +18,12 @@ fn view(
     r: Registration,
     secret: Option<String>,
 ) -> WebhookView {
-    let expires = r.previous_secret_expires();
     WebhookView {
         stream: stream.to_string(),
         group: group.to_string(),
         member: member.to_string(),
-        timeout_ms: r.timeout_ms,
-        max_attempts: r.max_attempts,
         max_in_flight: r.max_in_flight,
-        backoff: r.backoff,
-        endpoint: EndpointOptionsView::of(&r),
-        previous_secret_expires_at: expires,
-        url: r.url,
-        secret,
+        registration: RegistrationView::of(&r, secret),
     }
 }
 
