@@ -61,6 +61,13 @@
  * @property {number} [reconnectMaxMs] ...up to this (default 10000).
  * @property {AbortSignal} [signal] Aborting it leaves, like `close()`.
  */
+/**
+ * @typedef {object} SubscribeOptions
+ * @property {number} [concurrency] Messages in flight at once (1–256, default 4): no key order.
+ * @property {number} [priority] `prioritized` consumers: 0 (served first) to 9.
+ * @property {number} [minPending] `overflow` consumers: served only while this many wait.
+ * @property {number} [minAckPending] `overflow` consumers: served only while this many are un-acked.
+ */
 /** @typedef {"connecting" | "open" | "reconnecting" | "closed"} ConnectionState */
 /** An error answer of the API, with its problem. */
 export class KeygateError extends Error {
@@ -229,6 +236,26 @@ export class KeygateClient {
      * @returns {Membership}
      */
     join(stream: string, group: string, member: string, options?: JoinOptions): Membership;
+    /**
+     * Subscribes to a plain consumer of `stream` as `subscriber`: its
+     * messages with no key order, up to `concurrency` at once, with the same
+     * reconnects, resume and callbacks as `join` (`onPinned` / `onStandby`
+     * for `pinned_client` consumers).
+     * @param {string} stream
+     * @param {string} consumer
+     * @param {string} subscriber
+     * @param {JoinOptions & SubscribeOptions} [options]
+     * @returns {Membership}
+     */
+    subscribe(stream: string, consumer: string, subscriber: string, options?: JoinOptions & SubscribeOptions): Membership;
+    /**
+     * @private
+     * @param {string[]} segments Under `/v1/streams/`, before `/ws`.
+     * @param {Record<string, number | undefined>} query
+     * @param {JoinOptions} options
+     * @returns {Membership}
+     */
+    private socket;
 }
 /**
  * A bearer token, or a function that gives one: called for every request
@@ -361,6 +388,24 @@ export type JoinOptions = {
      * Aborting it leaves, like `close()`.
      */
     signal?: AbortSignal | undefined;
+};
+export type SubscribeOptions = {
+    /**
+     * Messages in flight at once (1–256, default 4): no key order.
+     */
+    concurrency?: number | undefined;
+    /**
+     * `prioritized` consumers: 0 (served first) to 9.
+     */
+    priority?: number | undefined;
+    /**
+     * `overflow` consumers: served only while this many wait.
+     */
+    minPending?: number | undefined;
+    /**
+     * `overflow` consumers: served only while this many are un-acked.
+     */
+    minAckPending?: number | undefined;
 };
 export type ConnectionState = "connecting" | "open" | "reconnecting" | "closed";
 /**

@@ -76,6 +76,14 @@
  * @property {AbortSignal} [signal] Aborting it leaves, like `close()`.
  */
 
+/**
+ * @typedef {object} SubscribeOptions
+ * @property {number} [concurrency] Messages in flight at once (1–256, default 4): no key order.
+ * @property {number} [priority] `prioritized` consumers: 0 (served first) to 9.
+ * @property {number} [minPending] `overflow` consumers: served only while this many wait.
+ * @property {number} [minAckPending] `overflow` consumers: served only while this many are un-acked.
+ */
+
 /** @typedef {"connecting" | "open" | "reconnecting" | "closed"} ConnectionState */
 
 /** An error answer of the API, with its problem. */
@@ -425,13 +433,48 @@ export class KeygateClient {
    * @returns {Membership}
    */
   join(stream, group, member, options = {}) {
-    const path = [stream, "groups", group, "members", member].map(encodeURIComponent).join("/");
-    const query = new URLSearchParams();
-    if (options.maxInFlight !== undefined) query.set("max_in_flight", String(options.maxInFlight));
-    if (options.maxAttempts !== undefined) query.set("max_attempts", String(options.maxAttempts));
-    const search = query.toString();
-    const url = `${this.base.replace(/^http/, "ws")}/v1/streams/${path}/ws${search ? `?${search}` : ""}`;
+    const query = { max_in_flight: options.maxInFlight, max_attempts: options.maxAttempts };
+    return this.socket([stream, "groups", group, "members", member], query, options);
+  }
+
+  /**
+   * Subscribes to a plain consumer of `stream` as `subscriber`: its
+   * messages with no key order, up to `concurrency` at once, with the same
+   * reconnects, resume and callbacks as `join` (`onPinned` / `onStandby`
+   * for `pinned_client` consumers).
+   * @param {string} stream
+   * @param {string} consumer
+   * @param {string} subscriber
+   * @param {JoinOptions & SubscribeOptions} [options]
+   * @returns {Membership}
+   */
+  subscribe(stream, consumer, subscriber, options = {}) {
+    const query = {
+      concurrency: options.concurrency,
+      priority: options.priority,
+      min_pending: options.minPending,
+      min_ack_pending: options.minAckPending,
+      max_attempts: options.maxAttempts,
+    };
+    return this.socket([stream, "consumers", consumer, "subscribers", subscriber], query, options);
+  }
+
+  /**
+   * @private
+   * @param {string[]} segments Under `/v1/streams/`, before `/ws`.
+   * @param {Record<string, number | undefined>} query
+   * @param {JoinOptions} options
+   * @returns {Membership}
+   */
+  socket(segments, query, options) {
     if (!this.Socket) throw new TypeError("no WebSocket: pass one in the client's options");
+    const search = new URLSearchParams();
+    for (const [name, value] of Object.entries(query)) {
+      if (value !== undefined) search.set(name, String(value));
+    }
+    const path = segments.map(encodeURIComponent).join("/");
+    const tail = search.toString() ? `?${search}` : "";
+    const url = `${this.base.replace(/^http/, "ws")}/v1/streams/${path}/ws${tail}`;
     return new Membership(url, () => this.token(), this.Socket, options);
   }
 }

@@ -114,3 +114,43 @@ async fn the_js_client_publishes_joins_and_resumes_in_key_order_through_a_reconn
     let again = seen["received"].as_array().unwrap().len() - 40;
     println!("js client: 40 messages, {again} delivered again after the cut, {} verdicts lost with it", seen["lost"]);
 }
+
+/// `subscribe()` serves a plain consumer: several messages out at once (no
+/// key order), each acked through the iterator.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_js_client_subscribes_to_a_plain_consumer_with_its_concurrency() {
+    let app = TestApp::start().await;
+    app.create_stream("JOBS", json!({"subjects":["jobs.*"]})).await;
+    assert_eq!(app.put("/v1/streams/JOBS/consumers/workers", json!({"ack_wait_ms": 2000})).await.0, 201);
+    let mut browser = Browser::launch().await;
+    browser.navigate(&app.url("/demo")).await;
+    let subscribed = browser
+        .eval(
+            r#"(async () => {
+              const { KeygateClient } = await import("/client/keygate.js");
+              const kg = window.kg = { received: [], held: 0, most: 0 };
+              kg.client = new KeygateClient();
+              const work = kg.client.subscribe("JOBS", "workers", "w1", { concurrency: 4 });
+              (async () => {
+                for await (const m of work) {
+                  kg.received.push(m.id);
+                  kg.held += 1;
+                  kg.most = Math.max(kg.most, kg.held);
+                  setTimeout(() => { kg.held -= 1; m.ack(); }, 100);
+                }
+              })();
+              await kg.client.publishBatch("JOBS", Array.from({ length: 12 }, (_, n) => ({ data: { n } })));
+              return true;
+            })()"#,
+        )
+        .await;
+    assert_eq!(subscribed, true);
+    wait_for(&mut browser, "new Set(kg.received).size === 12").await;
+    eventually(WAIT, || async {
+        let info = app.js.get_stream("JOBS").await.ok()?.consumer_info("workers").await.ok()?;
+        (info.ack_floor.stream_sequence == 12 && info.num_ack_pending == 0).then_some(())
+    })
+    .await;
+    let most = browser.eval("kg.most").await.as_u64().unwrap();
+    assert!((2..=4).contains(&most), "{most} messages held at once with concurrency 4");
+}

@@ -36,4 +36,6 @@ export async function example(): Promise<void> {
     if (e instanceof KeygateError) console.log(e.status, e.problem?.title, e.retryAfter);
   }
   membership.close();
+  const work = client.subscribe("JOBS", "workers", "w1", { concurrency: 8, onStandby: () => console.log("standby") });
+  for await (const job of work) job.ack();
 }
