@@ -44,6 +44,8 @@ pub struct AppState {
     pub instances: Option<Arc<InstanceContext>>,
     /// WebSocket member connections, awaited at shutdown.
     pub connections: tokio_util::task::TaskTracker,
+    /// Pull clients' instances on this replica (set once keygate is connected).
+    pub pulls: Option<crate::pull_instances::PullInstances>,
     /// WebSocket connections open per member or subscriber, capped.
     pub sockets_per_member: crate::http::ws::SocketCounts,
     /// Verifies bearer tokens; `None` runs the API open.
@@ -74,6 +76,7 @@ impl AppState {
             pauses: crate::pauses::Pauses::new(js.clone()),
             verifier: verifier.map(Arc::new),
             instances: None,
+            pulls: None,
             connections: tokio_util::task::TaskTracker::new(),
             sockets_per_member: Default::default(),
             nats,
@@ -143,6 +146,15 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
         configs: Default::default(),
     });
     state.instances = Some(instances.clone());
+    // Pull instances finish like WebSocket connections: after the HTTP drain.
+    let pulls = crate::pull_instances::PullInstances::start(
+        instances.clone(),
+        state.settings.pull_max_instances,
+        state.connections.clone(),
+        shutdown.child_token(),
+    )
+    .await?;
+    state.pulls = Some(pulls);
     // Start the configuration watchers now rather than with the first member.
     for bucket in [crate::groups::config::STATIC_BUCKET, crate::groups::config::ELASTIC_BUCKET] {
         drop(instances.config_watch.subscribe(bucket));

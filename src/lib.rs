@@ -20,6 +20,7 @@ pub mod nats;
 pub mod partition;
 pub mod pauses;
 pub mod publish;
+pub mod pull_instances;
 pub mod seek;
 pub mod settings;
 pub mod status;

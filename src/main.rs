@@ -192,6 +192,9 @@ struct ServeArgs {
     /// Seconds between pings to WebSocket members; two without an answer close the connection.
     #[arg(long, env = "KEYGATE_WS_PING_SECS", default_value_t = 15)]
     ws_ping_secs: u64,
+    /// Most pull instances (members and subscribers fetched from over HTTP) running on this keygate.
+    #[arg(long, env = "KEYGATE_PULL_MAX_INSTANCES", default_value_t = 1000)]
+    pull_max_instances: usize,
     /// Replicas of keygate's own KV buckets and dead-letter stream, 1-5 (default: 3 on a cluster of three or more servers, else 1).
     #[arg(long, env = "KEYGATE_STATE_REPLICAS", value_parser = clap::value_parser!(u8).range(1..=5))]
     state_replicas: Option<u8>,
@@ -250,6 +253,7 @@ impl ServeArgs {
             cors_allowed_origins: self.cors_allowed_origins.clone(),
             ws_ping_interval: Duration::from_secs(self.ws_ping_secs.max(1)),
             ws_max_connections_per_member: self.ws_max_connections_per_member.max(1),
+            pull_max_instances: self.pull_max_instances.max(1),
             state_replicas: self.state_replicas.map(usize::from),
             backlog_sample_interval: (self.backlog_sample_secs > 0)
                 .then(|| Duration::from_secs(self.backlog_sample_secs)),

@@ -46,6 +46,8 @@ pub const SHUFFLE_WINDOW: &str = "keygate_shuffle_window_messages";
 pub const SHUFFLE_DELAYED: &str = "keygate_shuffle_delayed_total";
 /// Open WebSocket member connections.
 pub const WS_CONNECTIONS: &str = "keygate_websocket_connections";
+/// Pull instances running on this keygate (one per member or subscriber being fetched from).
+pub const PULL_INSTANCES: &str = "keygate_pull_instances";
 /// Step-downs keygate asked of an elastic group's work-queue stream whose source stayed inactive.
 pub const SOURCE_RESTARTS: &str = "keygate_source_restarts_total";
 /// Tasks alive in keygate's runtime, read at each scrape (a leak shows as growth).

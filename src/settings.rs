@@ -63,6 +63,8 @@ pub struct Settings {
     pub ws_max_connections_per_member: usize,
     /// How often WebSocket members are pinged; two intervals without a word close the connection.
     pub ws_ping_interval: Duration,
+    /// Most pull instances running at once on this keygate.
+    pub pull_max_instances: usize,
     /// Replicas of keygate's own KV buckets and dead-letter stream (`None`:
     /// 3 on a cluster of three or more servers, else 1).
     pub state_replicas: Option<usize>,
@@ -92,6 +94,7 @@ impl Settings {
             cors_allowed_origins: Vec::new(),
             ws_ping_interval: Duration::from_secs(15),
             ws_max_connections_per_member: 16,
+            pull_max_instances: 1000,
             state_replicas: None,
         }
     }

@@ -1,11 +1,13 @@
-//! Where one member instance delivers: a webhook URL or a WebSocket
-//! connection. Both give a verdict per message; the lanes do the rest.
+//! Where one member instance delivers: a webhook URL, a WebSocket
+//! connection or HTTP pull clients. Each gives a verdict per message; the
+//! lanes do the rest.
 
 use std::sync::Arc;
 
 use super::credentials::Credentials;
 use super::frames::ServerFrame;
 use super::protection::Protection;
+use super::pull::PullEndpoint;
 use super::signing::{SecretError, Signer};
 use super::webhook::{Backoff, Registration, WebhookClient};
 use super::websocket::SocketEndpoint;
@@ -14,6 +16,7 @@ use super::websocket::SocketEndpoint;
 pub enum Endpoint {
     Webhook(Box<WebhookEndpoint>),
     Socket(Arc<SocketEndpoint>),
+    Pull(Arc<PullEndpoint>),
 }
 
 /// A webhook as one instance calls it.
@@ -34,11 +37,12 @@ impl Endpoint {
         Ok(Self::Webhook(Box::new(WebhookEndpoint { registration, signer, protection, credentials })))
     }
 
-    /// The rate limit and breaker (none for a WebSocket: the client paces itself).
+    /// The rate limit and breaker (none for a WebSocket or pull client:
+    /// the client paces itself).
     pub fn protection(&self) -> Option<&Protection> {
         match self {
             Self::Webhook(webhook) => Some(&webhook.protection),
-            Self::Socket(_) => None,
+            Self::Socket(_) | Self::Pull(_) => None,
         }
     }
 
@@ -47,6 +51,7 @@ impl Endpoint {
         match self {
             Self::Webhook(webhook) => webhook.registration.max_attempts,
             Self::Socket(socket) => socket.max_attempts,
+            Self::Pull(pull) => pull.max_attempts,
         }
     }
 
@@ -57,6 +62,7 @@ impl Endpoint {
             Self::Webhook(webhook) if webhook.protection.probing() => Some(1),
             Self::Webhook(webhook) => webhook.registration.max_in_flight,
             Self::Socket(socket) => socket.max_in_flight,
+            Self::Pull(pull) => pull.max_in_flight,
         }
     }
 
@@ -76,14 +82,18 @@ impl Endpoint {
         match self {
             Self::Webhook(webhook) => webhook.registration.backoff,
             Self::Socket(socket) => socket.backoff,
+            Self::Pull(pull) => pull.backoff,
         }
     }
 
-    /// Tells a WebSocket client about its pin and partitions (webhooks
-    /// learn them from the events instead).
+    /// Tells a WebSocket client about its pin and partitions, or keeps
+    /// them for pull clients' fetch answers (webhooks learn them from the
+    /// events instead).
     pub fn notify(&self, frame: impl FnOnce() -> ServerFrame) {
-        if let Self::Socket(socket) = self {
-            socket.notify(frame());
+        match self {
+            Self::Socket(socket) => socket.notify(frame()),
+            Self::Pull(pull) => pull.notify(frame()),
+            Self::Webhook(_) => {}
         }
     }
 }

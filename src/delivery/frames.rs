@@ -48,7 +48,7 @@ pub enum ServerFrame {
 }
 
 /// One message, with the fields docs/architecture.md ("WebSocket protocol") lists.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct MessageFrame {
     /// Stable across redeliveries (the webhook-id): `<stream>-<sequence>`.
     pub id: String,
@@ -66,20 +66,31 @@ pub struct MessageFrame {
     pub headers: BTreeMap<String, String>,
     /// The payload when it is JSON.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<serde_json::Value>)]
     pub data: Option<Box<RawValue>>,
     /// The payload, base64, when it is not JSON.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub data_base64: Option<String>,
 }
 
-/// What the client sends.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+/// What the client sends (and, for pull clients, what one replica
+/// forwards to the replica that delivered the message).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
 pub enum ClientFrame {
     Ack { id: String },
     Nak { id: String, delay_ms: Option<u64> },
     Term { id: String },
     Progress { id: String },
+}
+
+impl ClientFrame {
+    /// The delivery it names: a message id on a WebSocket, an ack id from a fetch.
+    pub fn id(&self) -> &str {
+        match self {
+            Self::Ack { id } | Self::Nak { id, .. } | Self::Term { id } | Self::Progress { id } => id,
+        }
+    }
 }
 
 /// The message frame of a delivery.

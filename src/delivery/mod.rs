@@ -1,6 +1,6 @@
 //! Where messages go: webhooks (signing, verdicts, the hardened client,
-//! destination policy), and WebSocket connections (the dead-letter stream is
-//! `crate::dead_letters`).
+//! destination policy), WebSocket connections and HTTP pull clients (the
+//! dead-letter stream is `crate::dead_letters`).
 
 pub mod credentials;
 pub mod destination;
@@ -8,6 +8,7 @@ pub mod endpoint;
 pub mod frames;
 pub mod message;
 pub mod protection;
+pub mod pull;
 pub mod signing;
 pub mod verdict;
 pub mod webhook;

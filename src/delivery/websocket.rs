@@ -3,7 +3,6 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::time::Duration;
 
 use async_nats::jetstream::AckKind;
 use tokio::sync::{mpsc, oneshot};
@@ -11,9 +10,12 @@ use tokio_util::sync::CancellationToken;
 
 use super::frames::{message_frame, ClientFrame, ServerFrame};
 use super::message::Held;
-use super::verdict::{Judgement, Verdict};
+use super::verdict::{client_judgement, Judgement};
 use super::webhook::Backoff;
 use crate::member_ref::MemberRef;
+
+/// Why a delivery without a client verdict goes to the next holder.
+const CLOSED: &str = "the WebSocket closed before a verdict";
 
 /// A delivery waiting for the client's verdict.
 struct Awaiting {
@@ -62,57 +64,25 @@ impl SocketEndpoint {
         let id = frame.id.clone();
         let (tx, rx) = oneshot::channel();
         self.awaiting().insert(id.clone(), Awaiting { verdict: tx, message: held.clone() });
-        let closed = || Judgement {
-            verdict: Verdict::Nak { delay: Some(Duration::ZERO) },
-            gone: false,
-            failed: false,
-            reason: "the WebSocket closed before a verdict".into(),
-        };
         let sent = tokio::select! {
             sent = self.messages.send(Box::new(ServerFrame::Message(Box::new(frame)))) => sent.is_ok(),
             () = self.closed.cancelled() => false,
         };
         if !sent {
             self.awaiting().remove(&id);
-            return closed();
+            return client_judgement(None, CLOSED);
         }
         let answer = tokio::select! {
             answer = rx => answer.ok(),
             () = self.closed.cancelled() => None,
         };
         self.awaiting().remove(&id);
-        match answer {
-            Some(ClientFrame::Ack { .. }) => {
-                Judgement { verdict: Verdict::Ack, gone: false, failed: false, reason: "acked".into() }
-            }
-            // Capped like a webhook's Retry-After: a huge delay would hold
-            // the partition (and every later holder's barrier) for ever.
-            Some(ClientFrame::Nak { delay_ms, .. }) => Judgement {
-                verdict: Verdict::Nak {
-                    delay: delay_ms.map(|ms| Duration::from_millis(ms).min(super::webhook::MAX_RETRY_AFTER)),
-                },
-                gone: false,
-                failed: false,
-                reason: "NAK'd by the client".into(),
-            },
-            Some(ClientFrame::Term { .. }) => Judgement {
-                verdict: Verdict::Term,
-                gone: false,
-                failed: false,
-                reason: "terminated by the client".into(),
-            },
-            Some(ClientFrame::Progress { .. }) | None => closed(),
-        }
+        client_judgement(answer, CLOSED)
     }
 
     /// Applies a client frame to the delivery it names.
     pub async fn settle(&self, frame: ClientFrame) -> Result<(), String> {
-        let id = match &frame {
-            ClientFrame::Ack { id }
-            | ClientFrame::Nak { id, .. }
-            | ClientFrame::Term { id }
-            | ClientFrame::Progress { id } => id.clone(),
-        };
+        let id = frame.id().to_owned();
         if let ClientFrame::Progress { .. } = frame {
             let message = self.awaiting().get(&id).map(|a| a.message.clone());
             return match message {

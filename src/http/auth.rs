@@ -77,6 +77,14 @@ pub fn access_for(method: &Method, template: &str) -> Access {
     if *method == Method::GET && template.ends_with("/subscribers/{subscriber}/ws") {
         return Access::SubscribePathConsumer;
     }
+    // Pull members and subscribers: the same scopes as their WebSocket joins.
+    let pull = |served: &str| ["fetch", "acks"].iter().any(|op| template.ends_with(&format!("{served}/{op}")));
+    if *method == Method::POST && pull("/members/{member}") {
+        return Access::ConsumePathGroup;
+    }
+    if *method == Method::POST && pull("/subscribers/{subscriber}") {
+        return Access::SubscribePathConsumer;
+    }
     if template == "/v1/dead-letters" || template.starts_with("/v1/dead-letters/") {
         return Access::DeadLetterOwner;
     }
@@ -101,13 +109,15 @@ pub async fn authorize(
     if access == Access::Open {
         return next.run(request).await;
     }
-    let mut query: HashMap<String, String> = if access.accepts_query_token() {
+    // Only GETs (EventSource, WebSocket): a pull client's POST sets its header.
+    let query_token = access.accepts_query_token() && request.method() == Method::GET;
+    let mut query: HashMap<String, String> = if query_token {
         axum::extract::Query::try_from_uri(request.uri()).map(|q| q.0).unwrap_or_default()
     } else {
         HashMap::new()
     };
     let token = bearer_token(&request).or_else(|| query.remove("access_token")).or_else(|| {
-        if access.accepts_query_token() {
+        if query_token {
             subprotocol_token(&request)
         } else {
             None
@@ -199,7 +209,7 @@ pub fn document_security(doc: &mut OpenApi) {
                     "A JWT whose `scope` (space-separated) or `scopes` (array) claim grants: `keygate:admin` \
                      (everything), `publish:<stream>`, `consume:<stream>/<group>` (a group's members and events), \
                      `subscribe:<stream>/<consumer>` (a plain consumer's subscribers; the dead letters of a group or consumer are open to its scope); a trailing `*` is a wildcard \
-                     (`publish:*`). The events and WebSocket routes also take it as the `access_token` query \
+                     (`publish:*`); pull members' and subscribers' `fetch` and `acks` take the scope of their WebSocket joins. The events and WebSocket routes also take it as the `access_token` query \
                      parameter, or the WebSocket route as the subprotocol `bearer.<jwt>` offered beside `keygate.v1`. Required only when keygate is configured with verification keys.",
                 ))
                 .build(),

@@ -13,6 +13,7 @@ pub mod health;
 pub mod messages;
 pub mod pauses;
 pub mod problem;
+pub mod pull;
 pub mod seek;
 pub mod serve;
 pub mod streams;
@@ -47,6 +48,7 @@ use crate::http::problem::ApiError;
         (name = "consumers", description = "Plain consumers with a priority-group policy"),
         (name = "webhooks", description = "Members served by webhook URLs"),
         (name = "websocket", description = "Members served over WebSocket"),
+        (name = "pull", description = "Members and subscribers served to HTTP clients that fetch and ack"),
         (name = "dead-letters", description = "Messages terminated after failing: browse, redrive, delete"),
         (name = "events", description = "Pin, assignment and verdict events"),
         (name = "health", description = "Liveness and readiness")
@@ -87,6 +89,10 @@ pub fn api() -> (Router<AppState>, utoipa::openapi::OpenApi) {
         .routes(routes!(consumers::rotate_subscriber_secret))
         .routes(routes!(ws::join_member))
         .routes(routes!(ws::join_consumer))
+        .routes(routes!(pull::fetch_member))
+        .routes(routes!(pull::settle_member))
+        .routes(routes!(pull::fetch_subscriber))
+        .routes(routes!(pull::settle_subscriber))
         .routes(routes!(dead_letters::list_dead_letters, dead_letters::delete_dead_letters))
         .routes(routes!(dead_letters::get_dead_letter, dead_letters::delete_dead_letter))
         .routes(routes!(dead_letters::redrive_dead_letters))
@@ -271,7 +277,8 @@ fn request_span(request: &axum::http::Request<axum::body::Body>) -> tracing::Spa
 
 /// Ends a `/v1` request that runs longer than the configured limit with a
 /// 503. Streams are exempt (WebSocket upgrades and the event stream run for
-/// as long as the client stays), and so are the health checks.
+/// as long as the client stays), fetches bound their own long poll
+/// (`wait_ms`), and the health checks are exempt too.
 async fn bounded_in_time(
     axum::extract::State(limit): axum::extract::State<std::time::Duration>,
     request: axum::extract::Request,
@@ -279,7 +286,7 @@ async fn bounded_in_time(
 ) -> Response {
     let route = request.extensions().get::<axum::extract::MatchedPath>().map(|p| p.as_str().to_owned());
     let exempt = request.headers().contains_key(axum::http::header::UPGRADE)
-        || route.as_deref().is_none_or(|r| !r.starts_with("/v1/") || r == "/v1/events");
+        || route.as_deref().is_none_or(|r| !r.starts_with("/v1/") || r == "/v1/events" || r.ends_with("/fetch"));
     if exempt {
         return next.run(request).await;
     }

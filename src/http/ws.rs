@@ -79,12 +79,7 @@ pub async fn join_member(
     let (upgrade, mut limits) = accept(upgrade, &headers, &state, options.max_attempts)?;
     crate::delivery::webhook::check_max_in_flight(options.max_in_flight)?;
     limits.max_in_flight = options.max_in_flight;
-    let stored = state.groups.load(&stream, &group, None).await?;
-    let in_membership = stored.config.members().iter().any(|m| m == member.as_str())
-        || stored.config.mappings().iter().any(|m| m.member == member.as_str());
-    if !in_membership {
-        return Err(ApiError::NotFound(format!("{member} is not a member of group {group}")));
-    }
+    check_member(&state, &stream, &group, &member).await?;
     let instances = state.instances.clone().ok_or_else(|| ApiError::Unavailable("keygate is starting".into()))?;
     let limit = state.settings.ws_max_connections_per_member;
     let slot = state.sockets_per_member.take(format!("member {stream}/{group}/{member}"), limit)?;
@@ -238,11 +233,33 @@ fn accept(
     let upgrade =
         upgrade.map_err(|e| ApiError::BadRequest(format!("this route opens a WebSocket: {}", e.body_text())))?;
     check_origin(headers, &state.settings.ws_allowed_origins)?;
-    let max_attempts = max_attempts.unwrap_or(10);
+    let max_attempts = max_attempts_of(max_attempts)?;
+    Ok((small_frames(upgrade), SocketLimits { max_attempts, max_in_flight: None }))
+}
+
+/// A client-served member's or subscriber's `max_attempts` (WebSocket or
+/// pull): 1–1000, default 10.
+pub(super) fn max_attempts_of(requested: Option<u64>) -> Result<u64, ApiError> {
+    let max_attempts = requested.unwrap_or(10);
     if !(1..=1000).contains(&max_attempts) {
         return Err(ApiError::BadRequest("max_attempts must be between 1 and 1000".into()));
     }
-    Ok((small_frames(upgrade), SocketLimits { max_attempts, max_in_flight: None }))
+    Ok(max_attempts)
+}
+
+/// 404 unless `member` is in the group's membership (a client joining as
+/// someone else would take no partitions, and hold an instance).
+pub(super) async fn check_member(
+    state: &AppState,
+    stream: &StreamName,
+    group: &GroupName,
+    member: &MemberName,
+) -> Result<(), ApiError> {
+    let stored = state.groups.load(stream, group, None).await?;
+    if !stored.config.has_member(member.as_str()) {
+        return Err(ApiError::NotFound(format!("{member} is not a member of group {group}")));
+    }
+    Ok(())
 }
 
 /// Browsers send `Origin`; other clients do not. Keygate's own origin (the

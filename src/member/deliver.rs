@@ -126,6 +126,19 @@ fn outbound(
     Outbound { id, body: held.message.payload.clone(), headers }
 }
 
+/// A WebSocket or pull client's verdict, its wait recorded: the time until
+/// the client's verdict is the endpoint's latency.
+fn client_answered(
+    span: &tracing::Span,
+    called: std::time::Instant,
+    labels: &[(&'static str, String); 2],
+    judgement: Judgement,
+) -> Judgement {
+    span.record("endpoint_ms", called.elapsed().as_secs_f64() * 1000.0);
+    metrics::histogram!(crate::metrics::ENDPOINT_SECONDS, labels).record(called.elapsed().as_secs_f64());
+    judgement
+}
+
 /// One delivery: call the endpoint, apply its verdict to the message.
 pub async fn deliver(
     ctx: Arc<InstanceContext>,
@@ -163,12 +176,8 @@ pub async fn deliver(
             Box::pin(breaker_step(&ctx, &who, protection, step, &judgement, &mut events)).await;
             judgement
         }
-        Endpoint::Socket(socket) => {
-            let judgement = socket.call(&who, &held, fencing).await;
-            span.record("endpoint_ms", called.elapsed().as_secs_f64() * 1000.0);
-            metrics::histogram!(crate::metrics::ENDPOINT_SECONDS, &labels).record(called.elapsed().as_secs_f64());
-            judgement
-        }
+        Endpoint::Socket(socket) => client_answered(&span, called, &labels, socket.call(&who, &held, fencing).await),
+        Endpoint::Pull(pull) => client_answered(&span, called, &labels, pull.call(&who, &held, fencing).await),
     };
     if held.attempt > 1 {
         metrics::counter!(crate::metrics::REDELIVERIES, &labels).increment(1);

@@ -291,6 +291,10 @@ fn every_v1_operation_in_the_document_names_its_scope_and_its_401_and_403() {
                 (_, "/v1/events") => "consume:{stream}/{group}",
                 ("get", p) if p.ends_with("/subscribers/{subscriber}/ws") => "subscribe:{stream}/{consumer}",
                 ("get", p) if p.ends_with("/ws") => "consume:{stream}/{group}",
+                ("post", p) if p.contains("/subscribers/") && (p.ends_with("/fetch") || p.ends_with("/acks")) => {
+                    "subscribe:{stream}/{consumer}"
+                }
+                ("post", p) if p.ends_with("/fetch") || p.ends_with("/acks") => "consume:{stream}/{group}",
                 _ => "keygate:admin",
             };
             assert_eq!(scope, expected, "{method} {path}");

@@ -22,6 +22,7 @@ mod outbound_auth;
 mod pauses;
 mod protection;
 mod publish;
+mod pull;
 mod seek;
 mod serve;
 mod streams;
