@@ -7,8 +7,19 @@ import sys
 from keygate_client import Client
 from keygate_client.api.groups import get_group, put_group
 from keygate_client.api.messages import publish_message
+from keygate_client.api.pull import fetch_member, settle_member
 from keygate_client.api.streams import get_stream, put_stream
-from keygate_client.models import GroupSpec, Problem, PublishAck, PublishRequest, StreamSpec
+from keygate_client.models import (
+    AckAnswer,
+    AckRequest,
+    FetchAnswer,
+    FetchRequest,
+    GroupSpec,
+    Problem,
+    PublishAck,
+    PublishRequest,
+    StreamSpec,
+)
 
 base = sys.argv[1]
 client = Client(base_url=base, raise_on_unexpected_status=True)
@@ -28,8 +39,27 @@ assert made.status_code == 201, made
 view = get_group.sync(client=client, stream="PY", group="g")
 assert view is not None and view.partitions == 4 and sorted(view.members) == ["m1", "m2"], view
 
+# Pull: fetch bob's four messages as whichever member owns his partition, ack them in one batch.
+owner = next(a.member for a in view.assignment if ack.partition in a.partitions)
+seen = []
+for _ in range(20):
+    answer = fetch_member.sync(client=client, stream="PY", group="g", member=owner,
+                               body=FetchRequest.from_dict({"max_messages": 10, "wait_ms": 2000}))
+    assert isinstance(answer, FetchAnswer), answer
+    if not answer.messages:
+        continue
+    assert answer.pinned and ack.partition in answer.partitions, answer
+    seen += [(m.stream_seq, m.attempt, m.key) for m in answer.messages]
+    settled = settle_member.sync(client=client, stream="PY", group="g", member=owner,
+                                 body=AckRequest.from_dict({"ack": [m.ack_id for m in answer.messages]}))
+    assert isinstance(settled, AckAnswer) and settled.settled == len(answer.messages) and not settled.failed, settled
+    if len(seen) == 4:
+        break
+assert [s[0] for s in seen] == sorted(s[0] for s in seen) and len(seen) == 4, seen
+assert all(attempt == 1 and key == "bob" for _, attempt, key in seen), seen
+
 missing = get_stream.sync_detailed(client=client, stream="NOPE")
 assert missing.status_code == 404, missing
 problem = missing.parsed
 assert isinstance(problem, Problem) and problem.status == 404 and problem.detail, problem
-print("python client: published 4 payload kinds, created and read a group, parsed a 404 problem")
+print("python client: published 4 payload kinds, created and read a group, fetched and acked as a pull member, parsed a 404 problem")

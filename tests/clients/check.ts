@@ -22,6 +22,7 @@ async function main(): Promise<void> {
   if (stream.response.status !== 201) fail(`stream: ${stream.response.status}`);
 
   // Any JSON value is a payload: a number, a string, an object, an array.
+  let ackPartition = -1;
   for (const data of [1, "text", { id: 7, tags: ["a"] }, [1, 2], null]) {
     const published = await client.POST("/v1/streams/{stream}/messages", {
       params: { path: { stream: "TSC" } },
@@ -30,6 +31,7 @@ async function main(): Promise<void> {
     if (!published.data) fail(`publish ${JSON.stringify(data)}: ${published.response.status}`);
     const ack: components["schemas"]["PublishAck"] = published.data;
     if (ack.stream !== "TSC" || ack.key !== "alice" || typeof ack.seq !== "number") fail(JSON.stringify(ack));
+    ackPartition = ack.partition ?? -1;
   }
 
   const group = await client.PUT("/v1/streams/{stream}/groups/{group}", {
@@ -42,13 +44,35 @@ async function main(): Promise<void> {
   });
   if (!view.data || view.data.partitions !== 4 || view.data.members.length !== 2) fail(JSON.stringify(view.data));
 
+  // Pull: alice's five messages, fetched as the member owning her
+  // partition and acked in batches.
+  const owner = view.data.assignment.find((a) => a.partitions.includes(ackPartition))?.member ?? fail("no owner");
+  const seqs: number[] = [];
+  for (let round = 0; round < 20 && seqs.length < 5; round++) {
+    const fetched = await client.POST("/v1/streams/{stream}/groups/{group}/members/{member}/fetch", {
+      params: { path: { stream: "TSC", group: "g", member: owner } },
+      body: { max_messages: 10, wait_ms: 2000 },
+    });
+    const answer: components["schemas"]["FetchAnswer"] = fetched.data ?? fail(`fetch: ${fetched.response.status}`);
+    if (answer.messages.length === 0) continue;
+    seqs.push(...answer.messages.map((m) => m.stream_seq));
+    const acked = await client.POST("/v1/streams/{stream}/groups/{group}/members/{member}/acks", {
+      params: { path: { stream: "TSC", group: "g", member: owner } },
+      body: { ack: answer.messages.map((m) => m.ack_id) },
+    });
+    if (!acked.data || acked.data.settled !== answer.messages.length || acked.data.failed.length) {
+      fail(`acks: ${JSON.stringify(acked.data)}`);
+    }
+  }
+  if (seqs.length !== 5 || seqs.some((s, i) => i > 0 && s < seqs[i - 1])) fail(`pulled ${JSON.stringify(seqs)}`);
+
   // A problem answer parses as the document says.
   const missing = await client.GET("/v1/streams/{stream}", { params: { path: { stream: "NOPE" } } });
   const problem: Problem | undefined = missing.error;
   if (missing.response.status !== 404 || !problem || problem.status !== 404 || !problem.detail) {
     fail(`problem: ${JSON.stringify(problem)}`);
   }
-  console.log("typescript client: published 5 payload kinds, created and read a group, parsed a 404 problem");
+  console.log("typescript client: published 5 payload kinds, created and read a group, fetched and acked as a pull member, parsed a 404 problem");
 }
 
 main().catch((e: unknown) => {
