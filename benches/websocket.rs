@@ -1,8 +1,9 @@
-//! WebSocket member benchmark: acked messages per second to one client over
-//! 16 partitions (the client acks each message as it arrives), beside a raw
-//! async-nats consumer with the same filters acking each partition's
-//! messages serially in the same run; then the memory 1,000 idle member
-//! connections add to a keygate process.
+//! WebSocket and pull member benchmark: acked messages per second to one
+//! client over 16 partitions (the WebSocket client acks each message as it
+//! arrives; the pull client fetches up to 100 and acks each batch in one
+//! request), beside a raw async-nats consumer with the same filters acking
+//! each partition's messages serially in the same run; then the memory
+//! 1,000 idle member connections add to a keygate process.
 //!
 //! `cargo bench --bench websocket` (env `KEYGATE_BENCH_MESSAGES`, default 20000).
 
@@ -80,6 +81,64 @@ async fn keygate_ws(kg: &KeygateProcess, http: &reqwest::Client, js: &jetstream:
         socket.send(Message::Text(ack.into())).await.unwrap();
     }
     let _ = socket.close(None).await;
+    ((n - 1) as f64 / (last - first.unwrap()).as_secs_f64(), reorders)
+}
+
+/// One pull client: fetch up to 100, ack them in one request, again;
+/// returns the rate from the first fetched message to the last ack and the
+/// reorders seen.
+async fn keygate_pull(kg: &KeygateProcess, http: &reqwest::Client, js: &jetstream::Context, n: u64) -> (f64, u64) {
+    put(http, format!("{}/v1/streams/PULL", kg.base), json!({"subjects":["pull.*"],"partitions":PARTITIONS})).await;
+    fill(js, "pull", n).await;
+    put(
+        http,
+        format!("{}/v1/streams/PULL/groups/g", kg.base),
+        json!({"kind":"static","partitions":PARTITIONS,"members":["m"]}),
+    )
+    .await;
+    let member = format!("{}/v1/streams/PULL/groups/g/members/m", kg.base);
+    let (mut received, mut reorders) = (0u64, 0u64);
+    let mut last_by_key: HashMap<String, u64> = HashMap::new();
+    let mut first = None;
+    let mut last = Instant::now();
+    while received < n {
+        let answer: Value = http
+            .post(format!("{member}/fetch"))
+            .json(&json!({"max_messages": 100, "wait_ms": 5000}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let messages = answer["messages"].as_array().cloned().unwrap_or_default();
+        if messages.is_empty() {
+            continue;
+        }
+        first.get_or_insert_with(Instant::now);
+        for message in &messages {
+            let key = message["key"].as_str().unwrap_or_default().to_owned();
+            let seq = message["stream_seq"].as_u64().unwrap();
+            let previous = last_by_key.entry(key).or_insert(0);
+            if seq < *previous {
+                reorders += 1;
+            }
+            *previous = seq;
+        }
+        let ack_ids: Vec<&Value> = messages.iter().map(|m| &m["ack_id"]).collect();
+        let settled: Value = http
+            .post(format!("{member}/acks"))
+            .json(&json!({"ack": ack_ids}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(settled["failed"], json!([]), "every ack lands");
+        received += messages.len() as u64;
+        last = Instant::now();
+    }
     ((n - 1) as f64 / (last - first.unwrap()).as_secs_f64(), reorders)
 }
 
@@ -177,6 +236,13 @@ async fn main() -> anyhow::Result<()> {
     println!(
         "| acked messages/s, one client | {raw:.0} msg/s | {rate:.0} msg/s | {:.2}× | ≥ 10,000 msg/s |",
         rate / raw
+    );
+    assert_eq!(reorders, 0, "no per-key reorder");
+    let (pulled, reorders) = keygate_pull(&kg, &http, &js, n).await;
+    println!(
+        "| acked messages/s, one pull client (fetch 100, batch acks) | {raw:.0} msg/s | {pulled:.0} msg/s | {:.2}× (pull / WebSocket: {:.2}×) | pull ≥ 0.8× WebSocket |",
+        pulled / raw,
+        pulled / rate
     );
     assert_eq!(reorders, 0, "no per-key reorder");
     drop(kg);

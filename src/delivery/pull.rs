@@ -18,8 +18,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::frames::{message_frame, ClientFrame, MessageFrame, ServerFrame};
 use super::message::Held;
-use super::verdict::{client_judgement, Judgement};
+use super::verdict::Judgement;
 use super::webhook::Backoff;
+use super::websocket::client_judgement;
 use crate::member_ref::MemberRef;
 
 /// Hex digits naming the replica at the start of every ack id.

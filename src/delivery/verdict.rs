@@ -4,8 +4,6 @@
 
 use std::time::{Duration, SystemTime};
 
-use super::frames::ClientFrame;
-
 /// What happens to a message after a delivery attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
@@ -30,25 +28,6 @@ pub struct Judgement {
     pub failed: bool,
     /// Human-readable reason (for events, blocked partitions, dead letters).
     pub reason: String,
-}
-
-/// A client's verdict frame (WebSocket or pull) as a judgement. `None`
-/// (no verdict: the client went away, or its time ran out) and a bare
-/// `progress` are a NAK without delay, so the message goes to the next
-/// holder at once; `lost` says why.
-pub fn client_judgement(answer: Option<ClientFrame>, lost: &str) -> Judgement {
-    let judged = |verdict, reason: &str| Judgement { verdict, gone: false, failed: false, reason: reason.into() };
-    match answer {
-        Some(ClientFrame::Ack { .. }) => judged(Verdict::Ack, "acked"),
-        // Capped like a webhook's Retry-After: a huge delay would hold
-        // the lane (and every later holder's barrier) for ever.
-        Some(ClientFrame::Nak { delay_ms, .. }) => judged(
-            Verdict::Nak { delay: delay_ms.map(|ms| Duration::from_millis(ms).min(super::webhook::MAX_RETRY_AFTER)) },
-            "NAK'd by the client",
-        ),
-        Some(ClientFrame::Term { .. }) => judged(Verdict::Term, "terminated by the client"),
-        Some(ClientFrame::Progress { .. }) | None => judged(Verdict::Nak { delay: Some(Duration::ZERO) }, lost),
-    }
 }
 
 /// What a registration says about retrying, beside the fixed rules.

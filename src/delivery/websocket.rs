@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::time::Duration;
 
 use async_nats::jetstream::AckKind;
 use tokio::sync::{mpsc, oneshot};
@@ -10,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::frames::{message_frame, ClientFrame, ServerFrame};
 use super::message::Held;
-use super::verdict::{client_judgement, Judgement};
+use super::verdict::{Judgement, Verdict};
 use super::webhook::Backoff;
 use crate::member_ref::MemberRef;
 
@@ -108,5 +109,24 @@ impl SocketEndpoint {
         if self.status.try_send(Box::new(frame)).is_err() {
             tracing::debug!("status frame dropped: the WebSocket client is not reading");
         }
+    }
+}
+
+/// A client's verdict frame (WebSocket or pull) as a judgement. `None`
+/// (no verdict: the client went away, or its time ran out) and a bare
+/// `progress` are a NAK without delay, so the message goes to the next
+/// holder at once; `lost` says why.
+pub fn client_judgement(answer: Option<ClientFrame>, lost: &str) -> Judgement {
+    let judged = |verdict, reason: &str| Judgement { verdict, gone: false, failed: false, reason: reason.into() };
+    match answer {
+        Some(ClientFrame::Ack { .. }) => judged(Verdict::Ack, "acked"),
+        // Capped like a webhook's Retry-After: a huge delay would hold
+        // the lane (and every later holder's barrier) for ever.
+        Some(ClientFrame::Nak { delay_ms, .. }) => judged(
+            Verdict::Nak { delay: delay_ms.map(|ms| Duration::from_millis(ms).min(super::webhook::MAX_RETRY_AFTER)) },
+            "NAK'd by the client",
+        ),
+        Some(ClientFrame::Term { .. }) => judged(Verdict::Term, "terminated by the client"),
+        Some(ClientFrame::Progress { .. }) | None => judged(Verdict::Nak { delay: Some(Duration::ZERO) }, lost),
     }
 }
