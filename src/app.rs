@@ -99,6 +99,8 @@ impl AppState {
 /// and on shutdown drains NATS and stops the embedded server.
 pub async fn run(settings: Settings, listener: TcpListener, shutdown: CancellationToken) -> anyhow::Result<()> {
     let verifier = Verifier::load(&settings.auth).context("loading the authentication keys")?;
+    // Installed before any task takes a metric handle (one taken earlier records nowhere).
+    crate::metrics::handle();
     let address = listener.local_addr()?;
     if verifier.is_none() {
         refuse_open_public_listener(address, settings.allow_unauthenticated)?;
@@ -144,6 +146,9 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
             &[crate::member::control::CONTROL_PREFIX],
         ),
         configs: Default::default(),
+        pins: Default::default(),
+        replicas: Default::default(),
+        balance_slack: state.settings.pin_balance_slack,
     });
     state.instances = Some(instances.clone());
     // Pull instances finish like WebSocket connections: after the HTTP drain.
@@ -161,19 +166,37 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
     }
     // Members wind down as soon as shutdown starts, beside the HTTP drain.
     let members_token = shutdown.child_token();
+    // Replicas know each other and share the webhook members' pins.
+    let replicas = tokio::spawn(instances.replicas.clone().run(
+        state.js.clone(),
+        instances.instance_id.clone(),
+        members_token.clone(),
+    ));
+    let balancer = tokio::spawn(crate::member::balance::run_balancer(
+        instances.clone(),
+        state.settings.pin_balance_slack,
+        members_token.clone(),
+    ));
+    // One replica of the cluster samples and watches for all (src/lease.rs).
+    let holder = instances.instance_id.clone();
     let members = tokio::spawn(crate::supervisor::supervise(instances, members_token.clone()));
     let backlog = state.settings.backlog_sample_interval.map(|every| {
-        tokio::spawn(crate::status::backlog::sample_backlog(
-            state.groups.clone(),
-            nats.clone(),
-            every,
+        let (groups, nats) = (state.groups.clone(), nats.clone());
+        tokio::spawn(crate::lease::run_as_singleton(
+            state.js.clone(),
+            "backlog-sampler",
+            holder.clone(),
             members_token.clone(),
+            move |cancel| crate::status::backlog::sample_backlog(groups.clone(), nats.clone(), every, cancel),
         ))
     });
-    let source_watch = tokio::spawn(crate::groups::source_watch::watch_sources(
-        state.groups.clone(),
+    let (groups, js) = (state.groups.clone(), state.js.clone());
+    let source_watch = tokio::spawn(crate::lease::run_as_singleton(
         state.js.clone(),
+        "source-watchdog",
+        holder,
         members_token.clone(),
+        move |cancel| crate::groups::source_watch::watch_sources(groups.clone(), js.clone(), cancel),
     ));
     let admin = admin_listener.map(|admin_listener| {
         let app = crate::http::admin_router(state.clone());
@@ -216,6 +239,8 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
         let _ = backlog.await;
     }
     let _ = source_watch.await;
+    let _ = balancer.await;
+    let _ = replicas.await;
     if let Err(e) = nats.drain().await {
         tracing::warn!(error = %e, "draining NATS");
     }

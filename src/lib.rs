@@ -12,6 +12,7 @@ pub mod error;
 pub mod events;
 pub mod groups;
 pub mod http;
+pub mod lease;
 pub mod member;
 pub mod member_ref;
 pub mod metrics;

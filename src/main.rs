@@ -192,6 +192,9 @@ struct ServeArgs {
     /// Seconds between pings to WebSocket members; two without an answer close the connection.
     #[arg(long, env = "KEYGATE_WS_PING_SECS", default_value_t = 15)]
     ws_ping_secs: u64,
+    /// Webhook pins of a group one replica may hold beyond its fair share (⌈members / replicas⌉) before it steps the excess down.
+    #[arg(long, env = "KEYGATE_PIN_BALANCE_SLACK", default_value_t = 0)]
+    pin_balance_slack: usize,
     /// Most pull instances (members and subscribers fetched from over HTTP) running on this keygate.
     #[arg(long, env = "KEYGATE_PULL_MAX_INSTANCES", default_value_t = 1000)]
     pull_max_instances: usize,
@@ -254,6 +257,7 @@ impl ServeArgs {
             ws_ping_interval: Duration::from_secs(self.ws_ping_secs.max(1)),
             ws_max_connections_per_member: self.ws_max_connections_per_member.max(1),
             pull_max_instances: self.pull_max_instances.max(1),
+            pin_balance_slack: self.pin_balance_slack,
             state_replicas: self.state_replicas.map(usize::from),
             backlog_sample_interval: (self.backlog_sample_secs > 0)
                 .then(|| Duration::from_secs(self.backlog_sample_secs)),

@@ -48,6 +48,10 @@ pub const SHUFFLE_DELAYED: &str = "keygate_shuffle_delayed_total";
 pub const WS_CONNECTIONS: &str = "keygate_websocket_connections";
 /// Pull instances running on this keygate (one per member or subscriber being fetched from).
 pub const PULL_INSTANCES: &str = "keygate_pull_instances";
+/// 1 while this keygate holds the lease of a singleton duty (label `duty`), else 0.
+pub const SINGLETON_HELD: &str = "keygate_singleton_held";
+/// Pins a replica stepped down because it held more than its share of a group's (member/balance.rs).
+pub const PIN_REBALANCES: &str = "keygate_pin_rebalances_total";
 /// Step-downs keygate asked of an elastic group's work-queue stream whose source stayed inactive.
 pub const SOURCE_RESTARTS: &str = "keygate_source_restarts_total";
 /// Tasks alive in keygate's runtime, read at each scrape (a leak shows as growth).

@@ -65,6 +65,8 @@ pub struct Settings {
     pub ws_ping_interval: Duration,
     /// Most pull instances running at once on this keygate.
     pub pull_max_instances: usize,
+    /// Pins of a group one replica may hold beyond its fair share.
+    pub pin_balance_slack: usize,
     /// Replicas of keygate's own KV buckets and dead-letter stream (`None`:
     /// 3 on a cluster of three or more servers, else 1).
     pub state_replicas: Option<usize>,
@@ -95,6 +97,7 @@ impl Settings {
             ws_ping_interval: Duration::from_secs(15),
             ws_max_connections_per_member: 16,
             pull_max_instances: 1000,
+            pin_balance_slack: 0,
             state_replicas: None,
         }
     }

@@ -248,7 +248,7 @@ async fn serve_once(
                             if pin.on_message_pin(&given) {
                                 fencing = next_token(&ctx.js, &fencing_key(target)).await.unwrap_or(fencing + 1);
                                 pin.set_token(fencing);
-                                announce_pinned(ctx, who, endpoint, given, Some(fencing), Vec::new());
+                                announce_pinned(ctx, who, endpoint, given, Some(fencing), Vec::new(), None);
                             }
                         }
                         let pulled = Delivered::from_pull(&ctx.js, reply, target.stream.as_str(), partitioning, |_| None);

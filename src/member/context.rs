@@ -38,6 +38,12 @@ pub struct InstanceContext {
     pub subscriptions: SharedSubscriptions,
     /// The latest configuration of each group, shared by its instances.
     pub configs: Mutex<SharedConfigs>,
+    /// Webhook members served and pinned here, for pin balancing.
+    pub pins: Arc<super::balance::PinLedger>,
+    /// The live keygate replicas.
+    pub replicas: super::replicas::Replicas,
+    /// Pins a replica may hold beyond its fair share before it steps some down.
+    pub balance_slack: usize,
 }
 
 /// Each group's latest configuration by revision.

@@ -38,6 +38,10 @@ pub enum Control {
     },
     /// Every instance of the member answers, pinned or not (who stands by).
     RollCall,
+    /// Published, not requested (member/balance.rs): the instance of keygate
+    /// `instance` steps down if it holds the pin and pulls nothing for
+    /// `hold_ms`; the others remember `reason` for a pin they gain next.
+    StepDown { instance: String, hold_ms: u64, reason: String },
 }
 
 /// Most blocked lanes one instance lists in its answer (the count is whole).

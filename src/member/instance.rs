@@ -36,6 +36,7 @@ pub async fn serve_webhook(
             return;
         }
     };
+    let _served = ctx.pins.serve(&who);
     serve_member(ctx, who, Arc::new(endpoint), cancel).await;
 }
 

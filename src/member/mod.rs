@@ -3,6 +3,7 @@
 //! that settle each message. Plain consumers' subscribers (`consumers/`)
 //! reuse its context, pull, pin and delivery parts.
 
+pub mod balance;
 pub mod config_watch;
 pub mod context;
 pub mod control;
@@ -13,4 +14,5 @@ pub mod join;
 pub mod lanes;
 pub mod pin;
 pub mod pull;
+pub mod replicas;
 pub mod session;

@@ -97,7 +97,8 @@ pub fn pinned_to_someone(info: &consumer::Info) -> bool {
     info.priority_groups.iter().any(|g| g.pinned_client_id.as_deref().is_some_and(|id| !id.is_empty()))
 }
 
-/// Tells events and a WebSocket client that `who` is pinned here.
+/// Tells events and a WebSocket client that `who` is pinned here (`reason`:
+/// why the pin moved, when it is known, as for a rebalance).
 pub fn announce_pinned(
     ctx: &InstanceContext,
     who: &MemberRef,
@@ -105,8 +106,11 @@ pub fn announce_pinned(
     pin_id: String,
     fencing_token: Option<u64>,
     partitions: Vec<u32>,
+    reason: Option<String>,
 ) {
-    ctx.events.emit(Event::member_pinned(ctx.about(who), pin_id, fencing_token, partitions.clone()));
+    let mut event = Event::member_pinned(ctx.about(who), pin_id, fencing_token, partitions.clone());
+    event.reason = reason;
+    ctx.events.emit(event);
     let instance = ctx.instance_id.clone();
     endpoint.notify(|| ServerFrame::Pinned { partitions, fencing_token, instance });
 }

@@ -23,6 +23,7 @@ mod pauses;
 mod protection;
 mod publish;
 mod pull;
+mod scale_out;
 mod seek;
 mod serve;
 mod streams;

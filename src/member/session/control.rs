@@ -16,8 +16,16 @@ use crate::member::lanes::{Blocked, LaneId, Settlement};
 
 impl Session {
     pub(super) async fn on_control(&mut self, request: Arc<async_nats::Message>) {
-        let Some(reply_to) = request.reply.clone() else { return };
         let Ok(control) = serde_json::from_slice::<Control>(&request.payload) else { return };
+        if let Control::StepDown { instance, hold_ms, reason } = control {
+            if !self.pin.is_pinned() {
+                self.handoff = Some((reason, std::time::Instant::now()));
+            } else if self.balanced && instance == self.ctx().instance_id {
+                self.step_down(std::time::Duration::from_millis(hold_ms), &reason).await;
+            }
+            return;
+        }
+        let Some(reply_to) = request.reply.clone() else { return };
         let answer = match control {
             Control::RollCall => Some(self.answer(false)),
             // Only the pin holder answers the others: the requester gets its word.
@@ -25,6 +33,7 @@ impl Session {
             Control::Status => Some(self.answer(true)),
             Control::Skip { partition, key } => Some(self.skip(partition, key.as_deref()).await),
             Control::RetryNow { partition, key } => Some(self.retry_now(partition, key.as_deref()).await),
+            Control::StepDown { .. } => None,
         };
         let Some(answer) = answer else { return };
         if let Ok(payload) = serde_json::to_vec(&answer) {

@@ -21,6 +21,9 @@ impl Session {
     /// Keeps pulls open: a new one goes out while less than a batch is
     /// still asked for, so the server never waits for the next pull.
     pub(super) async fn ensure_pull(&mut self) {
+        if self.holding_back() {
+            return;
+        }
         // Hold cap: a partition blocked with many messages behind its head
         // slows intake to one message per pull, which still keeps the pin.
         // Under key ordering a blocked key holds back only its own messages,

@@ -88,6 +88,14 @@ pub struct Session {
     session_id: u64,
     /// The consumer's delivery sequence as this session saw it.
     gaps: DeliveryGaps,
+    /// A webhook instance of a group member: counted and moved by pin
+    /// balancing (member/balance.rs).
+    balanced: bool,
+    /// No pulls before then (after stepping down for a rebalance).
+    hold_pulls_until: Option<Instant>,
+    /// Why the pin was last stepped down elsewhere, and when: the reason of
+    /// the next pin this instance gains.
+    handoff: Option<(String, Instant)>,
 }
 
 impl Session {
@@ -101,6 +109,7 @@ impl Session {
         let keys = KeyLocator::for_group(&ctx, &joined.config, who.stream.as_str()).await?;
         let pulls = OpenPulls::new(ctx.nats.new_inbox());
         let blocked_reported = BlockedLanes::new(&who);
+        let balanced = matches!(&*endpoint, Endpoint::Webhook(_)) && who.owner == crate::member_ref::Owner::Group;
         let max_in_flight = match joined.settings.ordering() {
             GroupOrdering::Partition => endpoint.max_in_flight().unwrap_or(usize::MAX),
             GroupOrdering::Key => endpoint.max_in_flight().unwrap_or(DEFAULT_KEY_IN_FLIGHT),
@@ -130,6 +139,9 @@ impl Session {
             lane_tasks: JoinSet::new(),
             session_id: rand::random::<u64>() >> 16,
             gaps: DeliveryGaps::default(),
+            balanced,
+            hold_pulls_until: None,
+            handoff: None,
         })
     }
 
@@ -347,6 +359,9 @@ impl Session {
         let held = self.shared.lock().lanes.release_held();
         for held in held {
             let _ = held.message.ack_with(AckKind::Nak(None)).await;
+        }
+        if self.balanced {
+            self.ctx().pins.set_pinned(self.who(), false);
         }
         if self.pin.is_pinned() {
             // Released at once when nobody else may take it now (a pause)

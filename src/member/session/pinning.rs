@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 
 use super::Session;
 use crate::delivery::webhook::registration_key;
+use crate::groups::config::PRIORITY_GROUP;
+use crate::member::balance::STEP_DOWN_HOLD;
 use crate::member::fencing::next_token;
 use crate::member::join::{pinned_ttl, pull_expiry};
 use crate::member::pin::{announce_pinned, announce_standby, announce_unpinned, count_pin_change, pinned_to_someone};
@@ -29,8 +31,44 @@ impl Session {
         }
         self.raise_fencing_token().await;
         count_pin_change(self.who(), "gained");
+        if self.balanced {
+            self.ctx().pins.set_pinned(self.who(), true);
+        }
         let partitions = self.owned_partitions();
-        announce_pinned(self.ctx(), self.who(), &self.shared.endpoint, pin, self.pin.token(), partitions);
+        let reason = self.handoff.take().filter(|(_, at)| at.elapsed() < STEP_DOWN_HOLD).map(|(why, _)| why);
+        announce_pinned(self.ctx(), self.who(), &self.shared.endpoint, pin, self.pin.token(), partitions, reason);
+    }
+
+    /// Gives the pin up for a rebalance: unpinned at the server first (this
+    /// instance's open pulls carry the old pin id, so none of them gets it
+    /// back), then what it held goes back to the server for the next
+    /// holder, and it pulls nothing for `hold`.
+    pub(super) async fn step_down(&mut self, hold: Duration, why: &str) {
+        let Ok(handle) = self.ctx().js.get_stream_no_info(&self.joined.stream_name).await else { return };
+        self.hold_pulls_until = Some(Instant::now() + hold);
+        if let Err(e) = handle.unpin_consumer(&self.joined.consumer, PRIORITY_GROUP).await {
+            tracing::debug!(error = %e, "stepping down for a rebalance failed");
+            self.hold_pulls_until = None;
+            return;
+        }
+        let held = self.shared.lock().lanes.release_held();
+        for held in held {
+            let _ = held.message.ack_with(async_nats::jetstream::AckKind::Nak(None)).await;
+        }
+        self.lose_pin(why);
+    }
+
+    /// Whether this instance should leave the next pin to others: it
+    /// stepped down a moment ago, or it stands by on a replica that already
+    /// holds more than its share of the group's pins.
+    pub(super) fn holding_back(&self) -> bool {
+        if self.hold_pulls_until.is_some_and(|until| Instant::now() < until) {
+            return true;
+        }
+        let ctx = self.ctx();
+        self.balanced
+            && !self.pin.is_pinned()
+            && ctx.pins.over_share(self.who(), ctx.replicas.count(), ctx.balance_slack)
     }
 
     /// Raises the member's fencing token in KV; while it cannot, the pin
@@ -59,6 +97,9 @@ impl Session {
             state.blocked_reported.clear();
         }
         count_pin_change(self.who(), "lost");
+        if self.balanced {
+            self.ctx().pins.set_pinned(self.who(), false);
+        }
         announce_unpinned(self.ctx(), self.who(), &self.shared.endpoint, why, self.owned_partitions());
     }
 
