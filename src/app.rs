@@ -148,6 +148,7 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
         configs: Default::default(),
         pins: Default::default(),
         replicas: Default::default(),
+        roster: Default::default(),
         balance_slack: state.settings.pin_balance_slack,
     });
     state.instances = Some(instances.clone());
@@ -170,6 +171,7 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
     let replicas = tokio::spawn(instances.replicas.clone().run(
         state.js.clone(),
         instances.instance_id.clone(),
+        instances.roster.clone(),
         members_token.clone(),
     ));
     let balancer = tokio::spawn(crate::member::balance::run_balancer(

@@ -10,6 +10,7 @@ use crate::groups::admin::PutOutcome;
 use crate::groups::view::{GroupView, MembershipView};
 use crate::groups::{GroupKind, GroupSettings, GroupSpec};
 use crate::names::{MemberName, StreamName};
+use crate::status::observe::Instances;
 
 impl Admin {
     pub(super) async fn ls(&self, stream: &str, kind: GroupKind) -> anyhow::Result<()> {
@@ -29,7 +30,7 @@ impl Admin {
 
     pub(super) async fn view(&self, stream: &str, group: &str, kind: GroupKind) -> anyhow::Result<GroupView> {
         let (stream, group) = names(stream, group)?;
-        crate::status::observe::observe(&self.groups, &self.nats, &stream, &group, Some(kind), true)
+        crate::status::observe::observe(&self.groups, &self.nats, &stream, &group, Some(kind), Instances::RollCall)
             .await
             .map_err(Into::into)
     }
@@ -131,7 +132,8 @@ impl Admin {
         let config = spec.into_config()?;
         let outcome = self.groups.put(&stream, &group, config, true, settings).await?;
         let view =
-            crate::status::observe::observe(&self.groups, &self.nats, &stream, &group, Some(kind), false).await?;
+            crate::status::observe::observe(&self.groups, &self.nats, &stream, &group, Some(kind), Instances::Skip)
+                .await?;
         if self.json {
             return print_json(&view);
         }

@@ -94,7 +94,9 @@ pub async fn get_group(
     Path((stream, group)): Path<(StreamName, GroupName)>,
     Query(query): Query<KindQuery>,
 ) -> Result<Json<GroupView>, ApiError> {
-    let view = crate::status::observe::observe(&state.groups, &state.nats, &stream, &group, query.kind, true).await?;
+    use crate::status::observe::{observe, Instances};
+    let instances = state.instances.as_ref().map_or(Instances::RollCall, |ctx| Instances::Live(&ctx.replicas));
+    let view = observe(&state.groups, &state.nats, &stream, &group, query.kind, instances).await?;
     Ok(Json(view))
 }
 

@@ -40,8 +40,10 @@ pub struct InstanceContext {
     pub configs: Mutex<SharedConfigs>,
     /// Webhook members served and pinned here, for pin balancing.
     pub pins: Arc<super::balance::PinLedger>,
-    /// The live keygate replicas.
+    /// The live keygate replicas and their instances.
     pub replicas: super::replicas::Replicas,
+    /// This process's member instances, published with its replica entry.
+    pub roster: Arc<super::roster::Roster>,
     /// Pins a replica may hold beyond its fair share before it steps some down.
     pub balance_slack: usize,
 }

@@ -15,4 +15,5 @@ pub mod lanes;
 pub mod pin;
 pub mod pull;
 pub mod replicas;
+pub mod roster;
 pub mod session;

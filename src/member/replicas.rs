@@ -1,50 +1,128 @@
-//! Which keygate replicas are alive: each process renews an entry in the KV
-//! bucket `keygate-replicas` and watches the others' (docs/scale-out.md).
-//! An entry not renewed for [`REPLICA_TTL`] no longer counts, and the
-//! bucket's max age removes it from the server too.
+//! Which keygate replicas are alive, and their member instances: each
+//! process renews an entry in the KV bucket `keygate-replicas` holding its
+//! roster (`member/roster.rs`), rewritten soon after every change, and
+//! watches the others' (docs/scale-out.md). An entry not renewed for
+//! [`REPLICA_TTL`] no longer counts, and the bucket's max age removes it
+//! from the server too.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
 use futures::StreamExt as _;
+use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+
+use super::roster::{Roster, RosterEntry};
 
 pub const REPLICAS_BUCKET: &str = "keygate-replicas";
 /// A replica unheard for this long is gone.
 pub const REPLICA_TTL: Duration = Duration::from_secs(6);
 /// How often a replica renews its entry.
 const RENEW_EVERY: Duration = Duration::from_secs(2);
+/// Changes of the roster wait this long, so a burst is written once.
+const CHANGE_DEBOUNCE: Duration = Duration::from_millis(50);
+
+/// What a replica writes in its entry.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct ReplicaReport {
+    /// Its `--instance-id`.
+    name: String,
+    instances: Vec<RosterEntry>,
+}
+
+/// One instance of a member, as the group view lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServingInstance {
+    pub instance: String,
+    pub session: u64,
+    pub pinned: bool,
+}
+
+/// Another replica's entry as last written.
+struct Seen {
+    at: Instant,
+    report: Arc<ReplicaReport>,
+}
+
+/// This replica: its tag, name and roster (read live, not from its entry).
+#[derive(Clone)]
+struct Own {
+    tag: String,
+    name: String,
+    roster: Arc<Roster>,
+}
 
 /// The live replicas as this one sees them (itself included).
 #[derive(Clone, Default)]
 pub struct Replicas {
-    /// Each replica's tag and when its entry was last written.
-    seen: Arc<Mutex<HashMap<String, Instant>>>,
+    /// By tag.
+    seen: Arc<Mutex<HashMap<String, Seen>>>,
+    own: Arc<Mutex<Option<Own>>>,
 }
 
 impl Replicas {
-    /// How many replicas are alive (at least this one).
-    pub fn count(&self) -> usize {
+    fn seen(&self) -> std::sync::MutexGuard<'_, HashMap<String, Seen>> {
         let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
-        seen.retain(|_, at| at.elapsed() < REPLICA_TTL);
-        seen.len().max(1)
+        seen.retain(|_, seen| seen.at.elapsed() < REPLICA_TTL);
+        seen
     }
 
-    fn saw(&self, tag: &str) {
-        self.seen.lock().unwrap_or_else(|p| p.into_inner()).insert(tag.to_owned(), Instant::now());
+    fn own(&self) -> Option<Own> {
+        self.own.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// How many replicas are alive (at least this one).
+    pub fn count(&self) -> usize {
+        let own = self.own().map(|own| own.tag);
+        let others = self.seen().keys().filter(|tag| Some(*tag) != own.as_ref()).count();
+        others + 1
+    }
+
+    /// Every live replica's instances of the members of `stream`/`group`,
+    /// by member, pinned first.
+    pub fn instances_of(&self, stream: &str, group: &str) -> BTreeMap<String, Vec<ServingInstance>> {
+        let own = self.own();
+        let mut reports: Vec<(String, Vec<RosterEntry>)> = self
+            .seen()
+            .iter()
+            .filter(|(tag, _)| own.as_ref().is_none_or(|own| own.tag != **tag))
+            .map(|(_, seen)| (seen.report.name.clone(), seen.report.instances.clone()))
+            .collect();
+        if let Some(own) = own {
+            reports.push((own.name, own.roster.entries()));
+        }
+        let mut by_member: BTreeMap<String, Vec<ServingInstance>> = BTreeMap::new();
+        for (name, instances) in reports {
+            for entry in instances.into_iter().filter(|e| e.stream == stream && e.group == group) {
+                let instance = ServingInstance { instance: name.clone(), session: entry.session, pinned: entry.pinned };
+                by_member.entry(entry.member).or_default().push(instance);
+            }
+        }
+        for instances in by_member.values_mut() {
+            instances.sort_by(|a, b| b.pinned.cmp(&a.pinned).then_with(|| a.instance.cmp(&b.instance)));
+        }
+        by_member
+    }
+
+    fn saw(&self, tag: &str, value: &[u8]) {
+        let report = serde_json::from_slice(value).unwrap_or_default();
+        let seen = Seen { at: Instant::now(), report: Arc::new(report) };
+        self.seen.lock().unwrap_or_else(|p| p.into_inner()).insert(tag.to_owned(), seen);
     }
 
     fn forget(&self, tag: &str) {
         self.seen.lock().unwrap_or_else(|p| p.into_inner()).remove(tag);
     }
 
-    /// Announces this replica (as `name`) until `cancel`, and follows the others.
-    pub async fn run(self, js: jetstream::Context, name: String, cancel: CancellationToken) {
+    /// Announces this replica (as `name`, with `roster`) until `cancel`,
+    /// and follows the others.
+    pub async fn run(self, js: jetstream::Context, name: String, roster: Arc<Roster>, cancel: CancellationToken) {
         let tag = format!("{:016x}", rand::random::<u64>());
-        self.saw(&tag);
+        let own = Own { tag: tag.clone(), name: name.clone(), roster: roster.clone() };
+        *self.own.lock().unwrap_or_else(|p| p.into_inner()) = Some(own);
         let store = loop {
             match bucket(&js).await {
                 Ok(store) => break store,
@@ -57,18 +135,28 @@ impl Replicas {
         };
         let mut watch = None;
         let mut renew = tokio::time::interval(RENEW_EVERY);
+        let announce = || {
+            let report = ReplicaReport { name: name.clone(), instances: roster.entries() };
+            serde_json::to_vec(&report).unwrap_or_default()
+        };
         loop {
             if watch.is_none() {
                 watch = store.watch_all().await.ok();
             }
             tokio::select! {
                 _ = renew.tick() => {
-                    if let Err(e) = store.put(&tag, name.clone().into()).await {
+                    if let Err(e) = store.put(&tag, announce().into()).await {
                         tracing::debug!(error = %e, "announcing this replica failed");
                     }
                 }
+                () = roster.changed.notified() => {
+                    tokio::time::sleep(CHANGE_DEBOUNCE).await;
+                    if let Err(e) = store.put(&tag, announce().into()).await {
+                        tracing::debug!(error = %e, "announcing this replica's instances failed");
+                    }
+                }
                 entry = next_entry(&mut watch) => match entry {
-                    Some(entry) if entry.operation == kv::Operation::Put => self.saw(&entry.key),
+                    Some(entry) if entry.operation == kv::Operation::Put => self.saw(&entry.key, &entry.value),
                     Some(entry) => self.forget(&entry.key),
                     None => watch = None,
                 },

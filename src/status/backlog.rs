@@ -8,6 +8,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::groups::GroupAdmin;
+use crate::status::observe::Instances;
 
 /// Samples every `every` until `cancel`. Each sample counts through the
 /// same path as a group's GET, so it costs what a GET costs per group.
@@ -23,8 +24,15 @@ pub async fn sample_backlog(groups: GroupAdmin, nats: async_nats::Client, every:
                     if cancel.is_cancelled() {
                         return;
                     }
-                    let view = match crate::status::observe::observe(&groups, &nats, &stream, &group, Some(kind), false)
-                        .await
+                    let view = match crate::status::observe::observe(
+                        &groups,
+                        &nats,
+                        &stream,
+                        &group,
+                        Some(kind),
+                        Instances::Skip,
+                    )
+                    .await
                     {
                         Ok(view) => view,
                         Err(e) => {

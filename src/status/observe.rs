@@ -8,22 +8,33 @@ use crate::error::Error;
 use crate::groups::view::{BlockedView, GroupView, InstanceState};
 use crate::groups::{GroupAdmin, GroupKind};
 use crate::member::control::{ask, Control};
+use crate::member::replicas::Replicas;
 use crate::member_ref::MemberRef;
 use crate::names::{GroupName, MemberName, StreamName};
 
 /// How long a roll call waits for instances to answer.
 const ROLL_CALL_WINDOW: std::time::Duration = std::time::Duration::from_millis(200);
 
-/// The group's view with its serving instances' state; with `roll_call`,
-/// also every instance of every member (standbys too), at the cost of a
-/// short wait for their answers.
+/// Where the view's list of every instance of every member comes from.
+pub enum Instances<'a> {
+    /// Not listed.
+    Skip,
+    /// Asked of the instances: a short wait for their answers (a process
+    /// that is no replica, like the CLI).
+    RollCall,
+    /// Read from the replicas' rosters, kept live (member/replicas.rs).
+    Live(&'a Replicas),
+}
+
+/// The group's view with its serving instances' state, and every instance
+/// of every member (standbys too) as `instances` says.
 pub async fn observe(
     groups: &GroupAdmin,
     nats: &async_nats::Client,
     stream: &StreamName,
     group: &GroupName,
     kind: Option<GroupKind>,
-    roll_call: bool,
+    instances: Instances<'_>,
 ) -> Result<GroupView, Error> {
     let mut view = groups.view(stream, group, kind).await?;
     let asks = view.assignment.iter().filter(|m| m.pinned_client_id.is_some()).filter_map(|m| {
@@ -60,7 +71,17 @@ pub async fn observe(
         }
     }
     view.blocked.sort_by(|a, b| (a.partition, &a.key, a.seq).cmp(&(b.partition, &b.key, b.seq)));
-    if roll_call {
+    if let Instances::Live(replicas) = instances {
+        let mut live = replicas.instances_of(stream.as_str(), group.as_str());
+        for state in &mut view.assignment {
+            state.instances = live
+                .remove(&state.member)
+                .unwrap_or_default()
+                .into_iter()
+                .map(|i| InstanceState { instance: i.instance, session: i.session, pinned: i.pinned })
+                .collect();
+        }
+    } else if let Instances::RollCall = instances {
         let calls = view.assignment.iter().filter_map(|m| {
             let who = MemberRef {
                 stream: stream.clone(),

@@ -144,6 +144,19 @@ impl KeygateProcess {
         self.status_field("Threads:") as u64
     }
 
+    /// CPU time the keygate process has used (user and system), in seconds.
+    pub fn cpu_seconds(&self) -> f64 {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap();
+        // Fields after the command name (which may hold spaces, in parentheses).
+        let after = &stat[stat.rfind(')').unwrap() + 2..];
+        let fields: Vec<&str> = after.split_whitespace().collect();
+        let ticks: f64 = fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap();
+        let per_second = Command::new("getconf").arg("CLK_TCK").output().ok();
+        let per_second =
+            per_second.and_then(|o| String::from_utf8(o.stdout).ok()?.trim().parse().ok()).unwrap_or(100.0);
+        ticks / per_second
+    }
+
     /// Open file descriptors of the keygate process.
     pub fn open_fds(&self) -> usize {
         std::fs::read_dir(format!("/proc/{}/fd", self.child.id())).map(|d| d.count()).unwrap_or(0)

@@ -344,8 +344,13 @@ async fn a_member_gets_at_most_its_share_of_websocket_connections() {
 async fn a_request_that_outlives_its_limit_answers_503_but_streams_do_not() {
     let setup = TestApp::start().await;
     stream_and_group(&setup, "g", json!(["m1"])).await;
-    // The group view waits out a 200 ms roll call of the member's instances,
-    // so it always outlives a 50 ms limit, however fast the machine.
+    // m1's consumer pinned by a client outside keygate, and m1's control
+    // subject heard by someone who never answers: the group view asks the
+    // pin holder for its status and waits out the 750 ms timeout, so it
+    // always outlives a 50 ms limit, however fast the machine.
+    pin_from_outside(&setup, "g-m1").await;
+    let _silent = setup.nats.subscribe("keygate.control.S.g.m1").await.unwrap();
+    setup.nats.flush().await.unwrap();
     let app = TestApp::start_on_with(setup.nats_url.clone(), |s| s.request_timeout = Duration::from_millis(50)).await;
     let (status, problem) = app.get("/v1/streams/S/groups/g").await;
     assert_eq!(status, 503, "{problem}");
@@ -355,6 +360,36 @@ async fn a_request_that_outlives_its_limit_answers_503_but_streams_do_not() {
     assert_eq!(events.status(), 200);
     let read = tokio::time::timeout(Duration::from_millis(300), events.chunk()).await;
     assert!(!matches!(read, Ok(Ok(None)) | Ok(Err(_))), "the event stream ended within the limit: {read:?}");
+}
+
+/// Creates `consumer` as a member's (priority group `PCG`, pinned client)
+/// and takes its pin with a raw pull, as a client outside keygate.
+async fn pin_from_outside(app: &TestApp, consumer: &str) {
+    use async_nats::jetstream::consumer;
+    let stream = app.js.get_stream("S").await.unwrap();
+    let config = consumer::pull::Config {
+        durable_name: Some(consumer.to_owned()),
+        ack_policy: consumer::AckPolicy::Explicit,
+        priority_groups: vec!["PCG".into()],
+        priority_policy: consumer::PriorityPolicy::PinnedClient,
+        priority_timeout: Duration::from_secs(30),
+        ..Default::default()
+    };
+    stream.create_consumer(config).await.unwrap();
+    assert_eq!(app.post("/v1/streams/S/messages", json!({"key":"k","data":1})).await.0, 200);
+    use futures::StreamExt as _;
+    let inbox = app.nats.new_inbox();
+    let mut answers = app.nats.subscribe(inbox.clone()).await.unwrap();
+    let request = json!({"batch": 1, "expires": 2_000_000_000u64, "group": "PCG"});
+    let subject = format!("$JS.API.CONSUMER.MSG.NEXT.S.{consumer}");
+    app.nats.publish_with_reply(subject, inbox, request.to_string().into()).await.unwrap();
+    let answer = tokio::time::timeout(WAIT, answers.next()).await.unwrap().unwrap();
+    assert!(
+        answer.headers.as_ref().and_then(|h| h.get("Nats-Pin-Id")).is_some(),
+        "pinned from outside: {:?} {:?}",
+        answer.status,
+        answer.description
+    );
 }
 
 /// A publisher's credentials headers never reach the webhook (the signature

@@ -184,6 +184,7 @@ impl Session {
         let mut pin_check = tokio::time::interval(PIN_CHECK);
         let mut barrier_check = tokio::time::interval(BARRIER_CHECK);
         let wake = self.shared.wake.clone();
+        self.ctx().roster.set(self.who(), self.session_id, false);
         let end = loop {
             if self.shared.gone.load(Ordering::Relaxed) {
                 break SessionEnd::Gone;
@@ -231,6 +232,7 @@ impl Session {
             }
         };
         Box::pin(self.wind_down(&end)).await;
+        self.ctx().roster.remove(self.who(), self.session_id);
         end
     }
 

@@ -31,6 +31,7 @@ impl Session {
         }
         self.raise_fencing_token().await;
         count_pin_change(self.who(), "gained");
+        self.ctx().roster.set(self.who(), self.session_id, true);
         if self.balanced {
             self.ctx().pins.set_pinned(self.who(), true);
         }
@@ -97,6 +98,7 @@ impl Session {
             state.blocked_reported.clear();
         }
         count_pin_change(self.who(), "lost");
+        self.ctx().roster.set(self.who(), self.session_id, false);
         if self.balanced {
             self.ctx().pins.set_pinned(self.who(), false);
         }

@@ -1,0 +1,267 @@
+//! Scale-out benchmark (docs/scale-out.md), keygate processes (release
+//! build) against one nats-server on loopback, in one run:
+//!
+//! 1. delivery of a 12-member group whose webhook does 1 ms of work per
+//!    message, served by 1, 2 and 3 replicas, beside a raw async-nats
+//!    consumer with one serial lane per partition doing the same work;
+//!    with the pin spread each run reached;
+//! 2. the group view's latency (`GET …/groups/{group}`) with 100 members on
+//!    3 replicas, beside the consumer-info requests such a view makes, raw;
+//! 3. 100 groups × 10 webhook members on 3 replicas, idle: CPU per keygate
+//!    over 30 s, RSS, and runtime tasks at the start and end of the window.
+//!
+//! `cargo bench --bench scale_out` (env `KEYGATE_BENCH_MESSAGES`, default 12000).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use axum::Router;
+use bytes::Bytes;
+use serde_json::{json, Value};
+
+use keygate_testkit as support;
+
+use support::{put, KeygateProcess, LocalNats, NatsEndpoint};
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+const MEMBERS: usize = 12;
+const WORK: Duration = Duration::from_millis(1);
+
+/// A webhook receiver that works 1 ms per delivery; counts them.
+async fn receiver() -> (String, Arc<AtomicU64>) {
+    let count = Arc::new(AtomicU64::new(0));
+    let counter = count.clone();
+    let app = Router::new().fallback(move || {
+        let counter = counter.clone();
+        async move {
+            tokio::time::sleep(WORK).await;
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+    });
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
+    let url = format!("http://{}/hook", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (url, count)
+}
+
+async fn publish_raw(js: &jetstream::Context, prefix: &str, from: u64, n: u64) {
+    let mut acks = Vec::with_capacity(n as usize);
+    for i in from..from + n {
+        acks.push(js.publish(format!("{prefix}.k{}", i % 1000), Bytes::from(format!("{{\"n\":{i}}}"))).await.unwrap());
+    }
+    for ack in acks {
+        ack.await.unwrap();
+    }
+}
+
+/// Members served per keygate (by `--instance-id`), once all are pinned.
+async fn spread(http: &reqwest::Client, base: &str, stream: &str) -> Option<BTreeMap<String, usize>> {
+    let view: Value = http.get(format!("{base}/v1/streams/{stream}/groups/g")).send().await.ok()?.json().await.ok()?;
+    let mut counts = BTreeMap::new();
+    for member in view["assignment"].as_array()? {
+        *counts.entry(member["serving_instance"].as_str()?.to_owned()).or_default() += 1;
+    }
+    (counts.values().sum::<usize>() == view["assignment"].as_array()?.len()).then_some(counts)
+}
+
+/// A group of `members` webhook members over a fresh stream, on the first keygate.
+async fn group(http: &reqwest::Client, base: &str, stream: &str, members: usize, hook: &str) {
+    let prefix = stream.to_lowercase();
+    put(http, format!("{base}/v1/streams/{stream}"), json!({"subjects":[format!("{prefix}.*")],"partitions":members}))
+        .await;
+    let names: Vec<String> = (0..members).map(|i| format!("m{i}")).collect();
+    let spec = json!({"kind":"static","partitions":members,"members":names,"ack_wait_ms":5000});
+    put(http, format!("{base}/v1/streams/{stream}/groups/g"), spec).await;
+    for name in &names {
+        put(http, format!("{base}/v1/streams/{stream}/groups/g/members/{name}/webhook"), json!({"url": hook})).await;
+    }
+}
+
+/// Acked messages per second of a 12-member group on `replicas` keygates,
+/// measured once the pins are spread; and the spread.
+async fn delivery(
+    http: &reqwest::Client,
+    nats: &NatsEndpoint,
+    js: &jetstream::Context,
+    replicas: usize,
+    n: u64,
+) -> (f64, BTreeMap<String, usize>) {
+    let kgs: Vec<KeygateProcess> =
+        (0..replicas).map(|i| KeygateProcess::for_bench(nats, Some(&format!("kg-{i}")))).collect();
+    for kg in &kgs {
+        kg.wait_ready(http).await;
+    }
+    let stream = format!("SO{replicas}");
+    let prefix = stream.to_lowercase();
+    let (hook, delivered) = receiver().await;
+    group(http, &kgs[0].base, &stream, MEMBERS, &hook).await;
+    // A trickle gives every member a pin; balancing then spreads them.
+    let fair = MEMBERS.div_ceil(replicas);
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let mut sent = 0;
+    let spread = loop {
+        publish_raw(js, &prefix, sent, 50).await;
+        sent += 50;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        if let Some(counts) = spread(http, &kgs[0].base, &stream).await {
+            if counts.len() == replicas && counts.values().all(|c| *c <= fair) || Instant::now() > deadline {
+                break counts;
+            }
+        }
+    };
+    while delivered.load(Ordering::Relaxed) < sent {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let started = Instant::now();
+    publish_raw(js, &prefix, sent, n).await;
+    while delivered.load(Ordering::Relaxed) < sent + n {
+        assert!(started.elapsed() < Duration::from_secs(300), "delivery stalled");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let rate = n as f64 / started.elapsed().as_secs_f64();
+    drop(kgs);
+    (rate, spread)
+}
+
+/// The same work by hand: one consumer over every partition, one serial
+/// lane per partition, 1 ms per message.
+async fn raw_delivery(http: &reqwest::Client, nats: &NatsEndpoint, js: &jetstream::Context, n: u64) -> f64 {
+    let kg = KeygateProcess::for_bench(nats, None);
+    kg.wait_ready(http).await;
+    put(http, format!("{}/v1/streams/SORAW", kg.base), json!({"subjects":["soraw.*"],"partitions":MEMBERS})).await;
+    drop(kg);
+    let consumer = support::baseline_consumer(js, "SORAW", MEMBERS as u32, true).await;
+    let done = Arc::new(AtomicU64::new(0));
+    let counter = done.clone();
+    let pump = support::serial_lanes(consumer, MEMBERS as u32, move |message: jetstream::Message| {
+        let counter = counter.clone();
+        async move {
+            tokio::time::sleep(WORK).await;
+            message.ack().await.unwrap();
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+    })
+    .await;
+    let started = Instant::now();
+    publish_raw(js, "soraw", 0, n).await;
+    while done.load(Ordering::Relaxed) < n {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    pump.abort();
+    n as f64 / started.elapsed().as_secs_f64()
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    sorted[((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1]
+}
+
+/// p50 and p99 of a group GET with 100 members on 3 replicas (ms), and of
+/// the 100 consumer-info requests such a view makes, sent raw at once.
+async fn group_view(http: &reqwest::Client, nats: &NatsEndpoint, js: &jetstream::Context) -> ([f64; 2], [f64; 2]) {
+    let kgs: Vec<KeygateProcess> =
+        (0..3).map(|i| KeygateProcess::for_bench(nats, Some(&format!("view-{i}")))).collect();
+    for kg in &kgs {
+        kg.wait_ready(http).await;
+    }
+    let (hook, _) = receiver().await;
+    group(http, &kgs[0].base, "VIEW", 100, &hook).await;
+    publish_raw(js, "view", 0, 2000).await;
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let mut keygate = Vec::new();
+    for i in 0..200 {
+        let started = Instant::now();
+        let r = http.get(format!("{}/v1/streams/VIEW/groups/g", kgs[i % 3].base)).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        let _ = r.bytes().await.unwrap();
+        keygate.push(started.elapsed().as_secs_f64() * 1000.0);
+    }
+    let stream = js.get_stream("VIEW").await.unwrap();
+    let mut raw = Vec::new();
+    for _ in 0..200 {
+        let started = Instant::now();
+        let infos = (0..100).map(|m| {
+            let stream = stream.clone();
+            async move { stream.consumer_info(format!("g-m{m}")).await.unwrap() }
+        });
+        futures::future::join_all(infos).await;
+        raw.push(started.elapsed().as_secs_f64() * 1000.0);
+    }
+    keygate.sort_by(f64::total_cmp);
+    raw.sort_by(f64::total_cmp);
+    drop(kgs);
+    ([percentile(&keygate, 0.5), percentile(&keygate, 0.99)], [percentile(&raw, 0.5), percentile(&raw, 0.99)])
+}
+
+/// Per keygate: CPU (% of a core) over 30 idle seconds, RSS (MiB), and
+/// runtime tasks at the start and end of the window; 1,000 webhook members.
+async fn idle_members(http: &reqwest::Client, nats: &NatsEndpoint) -> Vec<(f64, f64, f64, f64)> {
+    let kgs: Vec<KeygateProcess> =
+        (0..3).map(|i| KeygateProcess::for_bench(nats, Some(&format!("idle-{i}")))).collect();
+    for kg in &kgs {
+        kg.wait_ready(http).await;
+    }
+    let (hook, _) = receiver().await;
+    for g in 0..100 {
+        group(http, &kgs[0].base, &format!("IDLE{g}"), 10, &hook).await;
+    }
+    // Every replica runs all 1,000 instances before the window starts.
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let mut before = Vec::new();
+    for kg in &kgs {
+        before.push((kg.cpu_seconds(), kg.metric(http, "keygate_runtime_alive_tasks").await));
+    }
+    let window = Duration::from_secs(30);
+    tokio::time::sleep(window).await;
+    let mut figures = Vec::new();
+    for (kg, (cpu, tasks)) in kgs.iter().zip(before) {
+        let used = (kg.cpu_seconds() - cpu) / window.as_secs_f64() * 100.0;
+        figures.push((used, kg.rss_mib(), tasks, kg.metric(http, "keygate_runtime_alive_tasks").await));
+    }
+    figures
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let n: u64 = support::env_or("KEYGATE_BENCH_MESSAGES", 12_000);
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let http = reqwest::Client::new();
+    let server = LocalNats::start().await?;
+    let nats = server.endpoint();
+    let js = keygate::nats::connect::jetstream(nats.connect().await?, Duration::from_secs(10));
+
+    println!("keygate scale-out benchmark ({n} messages, {MEMBERS}-member group, 1 ms of work each, loopback)");
+    println!("| measure | raw async-nats | keygate | ratio | target |");
+    println!("|---|---|---|---|---|");
+    let raw = raw_delivery(&http, &nats, &js, n).await;
+    let mut one = None;
+    for replicas in 1..=3 {
+        let (rate, spread) = delivery(&http, &nats, &js, replicas, n).await;
+        let single = *one.get_or_insert(rate);
+        println!(
+            "| acked msg/s, {replicas} replica(s), pins {spread:?} | {raw:.0} msg/s | {rate:.0} msg/s | {:.2}× raw, {:.2}× one replica | spread ≤ ⌈12/{replicas}⌉ |",
+            rate / raw,
+            rate / single
+        );
+    }
+    let (keygate, raw) = group_view(&http, &nats, &js).await;
+    println!(
+        "| group GET, 100 members, 3 replicas: p50 / p99 | {:.1} / {:.1} ms (100 consumer infos at once) | {:.1} / {:.1} ms | {:.2}× at p99 | p99 ≤ 20 ms |",
+        raw[0],
+        raw[1],
+        keygate[0],
+        keygate[1],
+        keygate[1] / raw[1]
+    );
+    for (i, (cpu, rss, tasks_before, tasks_after)) in idle_members(&http, &nats).await.into_iter().enumerate() {
+        println!(
+            "| idle, 100 groups × 10 webhook members, keygate {i} of 3: CPU, RSS, tasks | | {cpu:.2}% of a core, {rss:.1} MiB, tasks {tasks_before:.0} → {tasks_after:.0} | | ≤ 2% CPU, ≤ 150 MB |"
+        );
+    }
+    server.stop().await;
+    Ok(())
+}
