@@ -174,7 +174,7 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
         instances.roster.clone(),
         members_token.clone(),
     ));
-    let balancer = tokio::spawn(crate::member::balance::run_balancer(
+    let balancer = tokio::spawn(crate::member::rebalance::run_balancer(
         instances.clone(),
         state.settings.pin_balance_slack,
         members_token.clone(),

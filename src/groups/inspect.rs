@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use async_nats::jetstream::{self};
+use futures::{StreamExt as _, TryStreamExt as _};
 
 use super::config::{elastic_stream_name, ownership, MemberMapping, PRIORITY_GROUP};
 use super::spec::{consumer_of, GroupConfig, GroupKind, PartitioningFilterSpec};
@@ -14,6 +15,9 @@ use crate::member_ref::{MemberRef, Owner};
 use crate::names::{GroupName, StreamName};
 use crate::nats::errors::{is_not_found, unavailable_or_internal};
 
+/// JetStream API requests a group view has in flight at once.
+pub(super) const CONCURRENT_REQUESTS: usize = 32;
+
 impl GroupAdmin {
     /// The full view of a group: configuration, ownership, pins and backlog.
     pub async fn view(
@@ -22,6 +26,17 @@ impl GroupAdmin {
         group: &GroupName,
         kind: Option<GroupKind>,
     ) -> Result<GroupView, Error> {
+        Ok(self.view_counted(stream, group, kind).await?.0)
+    }
+
+    /// The view, and the floor each partition's backlog was counted from
+    /// (its owner's ack floor; static groups only).
+    pub async fn view_counted(
+        &self,
+        stream: &StreamName,
+        group: &GroupName,
+        kind: Option<GroupKind>,
+    ) -> Result<(GroupView, BTreeMap<u32, u64>), Error> {
         let stored = self.load(stream, group, kind).await?;
         let settings = self.settings(stream, group).await?;
         let config = &stored.config;
@@ -29,9 +44,17 @@ impl GroupAdmin {
         let owners = ownership(partitions, config.members(), config.mappings());
         let mut assignment = Vec::with_capacity(owners.len());
         let mut floors: BTreeMap<String, u64> = BTreeMap::new();
-        for (member, owned) in &owners {
-            let (stream_name, consumer) = consumer_of(config, stream.as_str(), group.as_str(), member);
-            let info = self.consumer_info(&stream_name, &consumer).await?;
+        // Asked all at once (in order): a hundred members cost one round trip, not a hundred.
+        let consumers: Vec<(String, String)> =
+            owners.iter().map(|(member, _)| consumer_of(config, stream.as_str(), group.as_str(), member)).collect();
+        let infos = futures::stream::iter(consumers)
+            .map(|(stream_name, consumer)| async move {
+                self.consumer_info(&stream_name, &consumer).await.map(|info| (consumer, info))
+            })
+            .buffered(CONCURRENT_REQUESTS)
+            .try_collect::<Vec<_>>()
+            .await?;
+        for ((member, owned), (consumer, info)) in owners.iter().zip(infos) {
             let state = match info {
                 Some(info) => {
                     floors.insert(member.clone(), info.ack_floor.stream_sequence);
@@ -91,12 +114,13 @@ impl GroupAdmin {
         let owner_of: BTreeMap<u32, String> =
             owners.iter().flat_map(|(m, ps)| ps.iter().map(move |p| (*p, m.clone()))).collect();
         // Backlog is best effort: a GET still answers when it cannot be counted.
+        let mut counted_from = BTreeMap::new();
         let counted = match config {
             GroupConfig::Static(c) => {
-                let floor_of: BTreeMap<u32, u64> = (0..partitions)
+                counted_from = (0..partitions)
                     .map(|p| (p, owner_of.get(&p).and_then(|m| floors.get(m)).copied().unwrap_or(0)))
                     .collect();
-                self.static_pending(stream.as_str(), c, &floor_of).await
+                self.static_pending(stream.as_str(), c, &counted_from).await
             }
             GroupConfig::Elastic(_) => {
                 self.subject_counts(&elastic_stream_name(stream.as_str(), group.as_str()), partitions).await
@@ -154,7 +178,7 @@ impl GroupAdmin {
                 view.work_queue_stream = Some(elastic_stream_name(stream.as_str(), group.as_str()));
             }
         }
-        Ok(view)
+        Ok((view, counted_from))
     }
 
     async fn consumer_info(&self, stream: &str, consumer: &str) -> Result<Option<jetstream::consumer::Info>, Error> {

@@ -82,7 +82,7 @@ impl GroupAdmin {
                     Ok::<_, Error>((p, info.num_pending))
                 }
             })
-            .buffer_unordered(16)
+            .buffer_unordered(super::inspect::CONCURRENT_REQUESTS)
             .try_collect::<BTreeMap<u32, u64>>()
             .await?;
         Ok(counts)

@@ -1,4 +1,5 @@
-//! Pin balancing across replicas (docs/scale-out.md): every replica runs
+//! Pin balancing across replicas (docs/scale-out.md), its rules and its
+//! ledger; `rebalance.rs` runs it. Every replica runs
 //! an instance of every webhook member, and a replica holding more than
 //! its fair share of a group's pins (⌈members / replicas⌉ + slack) steps
 //! the excess down; its standbys stop pulling while it is over its share,
@@ -13,18 +14,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
-use super::context::InstanceContext;
-use super::control::{control_subject, Control};
 use crate::member_ref::MemberRef;
 use crate::names::{GroupName, MemberName, StreamName};
 
-/// How often each replica compares its pins with its share (jittered).
-const BALANCE_EVERY: Duration = Duration::from_secs(2);
 /// A pin held for less than this is not stepped down: pins that just moved
 /// settle before they move again.
-const MIN_TENURE: Duration = Duration::from_secs(3);
+pub const MIN_TENURE: Duration = Duration::from_secs(3);
 /// A replica's instance that stepped down does not pull for this long, so
 /// the pin goes elsewhere.
 pub const STEP_DOWN_HOLD: Duration = Duration::from_secs(10);
@@ -55,7 +51,7 @@ pub struct PinLedger {
     groups: Mutex<BTreeMap<(StreamName, GroupName), GroupPins>>,
 }
 
-#[derive(Default, Clone)]
+#[derive(Default)]
 struct GroupPins {
     /// Members with a webhook instance here (every replica runs one each).
     served: BTreeMap<MemberName, usize>,
@@ -96,10 +92,29 @@ impl PinLedger {
         self.with(who, |pins| pins.pinned.len() > fair_share(pins.served.len(), replicas, slack))
     }
 
-    fn snapshot(&self) -> Vec<((StreamName, GroupName), GroupPins)> {
+    /// Every group with webhook members here, as it stands now.
+    pub fn snapshot(&self) -> Vec<GroupShare> {
         let groups = self.groups.lock().unwrap_or_else(|p| p.into_inner());
-        groups.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+        groups
+            .iter()
+            .map(|((stream, group), pins)| GroupShare {
+                stream: stream.clone(),
+                group: group.clone(),
+                served: pins.served.len(),
+                pinned: pins.pinned.clone(),
+            })
+            .collect()
     }
+}
+
+/// A group's webhook members on this replica.
+pub struct GroupShare {
+    pub stream: StreamName,
+    pub group: GroupName,
+    /// Members with a webhook instance here.
+    pub served: usize,
+    /// Members pinned here, since when.
+    pub pinned: BTreeMap<MemberName, Instant>,
 }
 
 /// One webhook instance counted in the ledger; uncounted when dropped.
@@ -120,44 +135,6 @@ impl Drop for Served {
                 }
             }
         });
-    }
-}
-
-/// Steps down this replica's excess pins until `cancel`.
-pub async fn run_balancer(ctx: Arc<InstanceContext>, slack: usize, cancel: CancellationToken) {
-    loop {
-        let wait = BALANCE_EVERY + Duration::from_millis(rand::random::<u64>() % 1000);
-        tokio::select! {
-            () = tokio::time::sleep(wait) => {}
-            () = cancel.cancelled() => return,
-        }
-        let replicas = ctx.replicas.count();
-        let mut moves = 0;
-        for ((stream, group), pins) in ctx.pins.snapshot() {
-            let share = fair_share(pins.served.len(), replicas, slack);
-            for member in to_step_down(&pins.pinned, share, Instant::now(), MIN_TENURE) {
-                let reason = format!(
-                    "rebalancing: this keygate held {} of the group's {} webhook pins; its share across {replicas} replicas is {share}",
-                    pins.pinned.len(),
-                    pins.served.len()
-                );
-                let who = MemberRef { stream: stream.clone(), group: group.clone(), member, owner: Default::default() };
-                let step_down = Control::StepDown {
-                    instance: ctx.instance_id.clone(),
-                    hold_ms: STEP_DOWN_HOLD.as_millis() as u64,
-                    reason,
-                };
-                let Ok(payload) = serde_json::to_vec(&step_down) else { continue };
-                if ctx.nats.publish(control_subject(&who), payload.into()).await.is_ok() {
-                    metrics::counter!(crate::metrics::PIN_REBALANCES, "stream" => stream.to_string(), "group" => group.to_string())
-                        .increment(1);
-                    moves += 1;
-                }
-            }
-        }
-        if moves > 0 {
-            tracing::info!(replicas, moves, "stepping down pins over this keygate's share");
-        }
     }
 }
 

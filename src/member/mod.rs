@@ -14,6 +14,7 @@ pub mod join;
 pub mod lanes;
 pub mod pin;
 pub mod pull;
+pub mod rebalance;
 pub mod replicas;
 pub mod roster;
 pub mod session;

@@ -36,7 +36,7 @@ pub async fn observe(
     kind: Option<GroupKind>,
     instances: Instances<'_>,
 ) -> Result<GroupView, Error> {
-    let mut view = groups.view(stream, group, kind).await?;
+    let (mut view, counted_from) = groups.view_counted(stream, group, kind).await?;
     let asks = view.assignment.iter().filter(|m| m.pinned_client_id.is_some()).filter_map(|m| {
         let who = MemberRef {
             stream: stream.clone(),
@@ -102,6 +102,9 @@ pub async fn observe(
             }
         }
     }
+    // Only partitions whose instance floor is finer than the one counted
+    // from can count lower; the others would ask the server for nothing.
+    floors.retain(|p, floor| counted_from.get(p).is_none_or(|counted| *floor > *counted));
     if let Err(e) = groups.recount_static_pending(&mut view, &floors).await {
         tracing::warn!(%stream, %group, error = %e, "could not recount the backlog from instance floors");
     }

@@ -93,11 +93,27 @@ async fn pins_spread_over_replicas_follow_a_join_and_a_kill_with_nothing_lost_or
     let alone = spread_until(&http, &a.base, "one replica", |c| c.len() == 1).await;
     assert_eq!(alone.get("kg-a"), Some(&MEMBERS));
 
+    // Pins gained by a rebalance say so.
+    let events = async_nats::connect(server.url()).await.unwrap();
+    let mut pinned_events = events.subscribe("keygate.events.S.g.*.member.pinned").await.unwrap();
     let (b, c) = (KeygateProcess::start(&server.url(), "kg-b"), KeygateProcess::start(&server.url(), "kg-c"));
     b.wait_ready(&http).await;
     c.wait_ready(&http).await;
     let three = spread_until(&http, &b.base, "three replicas", |c| c.len() == 3 && c.values().all(|n| *n == 4)).await;
     println!("three replicas: {three:?}");
+    let rebalanced = tokio::time::timeout(Duration::from_secs(10), async {
+        use futures::StreamExt as _;
+        while let Some(message) = pinned_events.next().await {
+            let event: Value = serde_json::from_slice(&message.payload).unwrap();
+            if event["reason"].as_str().is_some_and(|r| r.starts_with("rebalancing")) {
+                return event;
+            }
+        }
+        panic!("the event subscription ended");
+    })
+    .await
+    .expect("a member.pinned event with a rebalancing reason");
+    assert_eq!(rebalanced["stream"], "S", "{rebalanced}");
 
     let d = KeygateProcess::start(&server.url(), "kg-d");
     d.wait_ready(&http).await;
