@@ -42,7 +42,7 @@ use crate::member_ref::MemberRef;
 use crate::pauses::PauseUpdate;
 
 /// How often a non-pinned instance checks who holds the pin.
-const PIN_CHECK: Duration = Duration::from_millis(250);
+pub(super) const PIN_CHECK: Duration = Duration::from_millis(250);
 /// How often a newly pinned instance checks whether the handover barrier
 /// can come down (nothing is delivered until it does).
 const BARRIER_CHECK: Duration = Duration::from_millis(20);
@@ -96,6 +96,9 @@ pub struct Session {
     /// Why the pin was last stepped down elsewhere, and when: the reason of
     /// the next pin this instance gains.
     handoff: Option<(String, Instant)>,
+    /// While seeking: how long until it next asks who holds the pin, and when.
+    seek_every: Duration,
+    next_seek: Instant,
 }
 
 impl Session {
@@ -142,6 +145,8 @@ impl Session {
             balanced,
             hold_pulls_until: None,
             handoff: None,
+            seek_every: PIN_CHECK,
+            next_seek: Instant::now(),
         })
     }
 

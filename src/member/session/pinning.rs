@@ -14,6 +14,9 @@ use crate::member::fencing::next_token;
 use crate::member::join::{pinned_ttl, pull_expiry};
 use crate::member::pin::{announce_pinned, announce_standby, announce_unpinned, count_pin_change, pinned_to_someone};
 
+/// The longest a seeking instance waits between asking who holds the pin.
+const MAX_SEEK_EVERY: Duration = Duration::from_secs(4);
+
 impl Session {
     fn owned_partitions(&self) -> Vec<u32> {
         self.joined.config.partitions_of(self.who().member.as_str())
@@ -89,6 +92,8 @@ impl Session {
 
     pub(super) fn lose_pin(&mut self, why: &str) {
         self.pin.lose();
+        self.seek_every = super::PIN_CHECK;
+        self.next_seek = Instant::now();
         // Held and NAK'd messages now belong to the next holder; deliveries
         // in flight finish (and stay kept alive) so its barrier waits for them.
         {
@@ -135,6 +140,16 @@ impl Session {
         // A standby only waits: the pin comes to it through its pulls.
         if (!barrier && self.pin.is_pinned()) || self.pin.is_standby() {
             return;
+        }
+        // Seeking, it asks who holds the pin less and less often while
+        // nobody does (an idle member's instances would otherwise ask four
+        // times a second each).
+        if !barrier {
+            if Instant::now() < self.next_seek {
+                return;
+            }
+            self.seek_every = (self.seek_every * 2).min(MAX_SEEK_EVERY);
+            self.next_seek = Instant::now() + self.seek_every;
         }
         // `ours` was counted before asking, so messages arriving meanwhile
         // can only make the server's count higher (the safe side).
