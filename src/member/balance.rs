@@ -20,7 +20,7 @@ use crate::names::{GroupName, MemberName, StreamName};
 
 /// A pin held for less than this is not stepped down: pins that just moved
 /// settle before they move again.
-pub const MIN_TENURE: Duration = Duration::from_secs(3);
+pub const MIN_TENURE: Duration = Duration::from_secs(2);
 /// A replica's instance that stepped down does not pull for this long, so
 /// the pin goes elsewhere.
 pub const STEP_DOWN_HOLD: Duration = Duration::from_secs(10);

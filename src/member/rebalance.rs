@@ -15,7 +15,7 @@ use super::control::{control_subject, Control};
 use crate::member_ref::MemberRef;
 
 /// How often each replica compares its pins with its share (jittered).
-const BALANCE_EVERY: Duration = Duration::from_secs(2);
+const BALANCE_EVERY: Duration = Duration::from_secs(1);
 
 /// Steps down this replica's excess pins until `cancel`.
 pub async fn run_balancer(ctx: Arc<InstanceContext>, slack: usize, cancel: CancellationToken) {
