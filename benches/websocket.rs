@@ -42,21 +42,43 @@ async fn fill(js: &jetstream::Context, subject_prefix: &str, n: u64) {
     }
 }
 
+/// A stream `name` with `n` messages waiting, and a group `g` over it with one member `m`.
+async fn backlog_group(kg: &KeygateProcess, http: &reqwest::Client, js: &jetstream::Context, name: &str, n: u64) {
+    let prefix = name.to_lowercase();
+    let stream = json!({"subjects":[format!("{prefix}.*")],"partitions":PARTITIONS});
+    put(http, format!("{}/v1/streams/{name}", kg.base), stream).await;
+    fill(js, &prefix, n).await;
+    let group = json!({"kind":"static","partitions":PARTITIONS,"members":["m"]});
+    put(http, format!("{}/v1/streams/{name}/groups/g", kg.base), group).await;
+}
+
+/// Counts deliveries that came before an earlier one of their key.
+#[derive(Default)]
+struct Reorders {
+    last_by_key: HashMap<String, u64>,
+    count: u64,
+}
+
+impl Reorders {
+    fn see(&mut self, message: &Value) {
+        let key = message["key"].as_str().unwrap_or_default().to_owned();
+        let seq = message["stream_seq"].as_u64().unwrap();
+        let previous = self.last_by_key.entry(key).or_insert(0);
+        if seq < *previous {
+            self.count += 1;
+        }
+        *previous = seq;
+    }
+}
+
 /// One WebSocket client acking every message as it arrives; returns the
 /// rate from the first to the last message and the reorders seen.
 async fn keygate_ws(kg: &KeygateProcess, http: &reqwest::Client, js: &jetstream::Context, n: u64) -> (f64, u64) {
-    put(http, format!("{}/v1/streams/WS", kg.base), json!({"subjects":["ws.*"],"partitions":PARTITIONS})).await;
-    fill(js, "ws", n).await;
-    put(
-        http,
-        format!("{}/v1/streams/WS/groups/g", kg.base),
-        json!({"kind":"static","partitions":PARTITIONS,"members":["m"]}),
-    )
-    .await;
+    backlog_group(kg, http, js, "WS", n).await;
     let (mut socket, _) =
         tokio_tungstenite::connect_async_with_config(kg.ws("WS", "g", "m"), None, true).await.unwrap();
-    let (mut received, mut reorders) = (0u64, 0u64);
-    let mut last_by_key: HashMap<String, u64> = HashMap::new();
+    let mut received = 0u64;
+    let mut reorders = Reorders::default();
     let mut first = None;
     let mut last = Instant::now();
     while received < n {
@@ -70,35 +92,22 @@ async fn keygate_ws(kg: &KeygateProcess, http: &reqwest::Client, js: &jetstream:
         first.get_or_insert(now);
         last = now;
         received += 1;
-        let key = value["key"].as_str().unwrap_or_default().to_owned();
-        let seq = value["stream_seq"].as_u64().unwrap();
-        let previous = last_by_key.entry(key).or_insert(0);
-        if seq < *previous {
-            reorders += 1;
-        }
-        *previous = seq;
+        reorders.see(&value);
         let ack = json!({"type":"ack","id":value["id"]}).to_string();
         socket.send(Message::Text(ack.into())).await.unwrap();
     }
     let _ = socket.close(None).await;
-    ((n - 1) as f64 / (last - first.unwrap()).as_secs_f64(), reorders)
+    ((n - 1) as f64 / (last - first.unwrap()).as_secs_f64(), reorders.count)
 }
 
 /// One pull client: fetch up to 100, ack them in one request, again;
 /// returns the rate from the first fetched message to the last ack and the
 /// reorders seen.
 async fn keygate_pull(kg: &KeygateProcess, http: &reqwest::Client, js: &jetstream::Context, n: u64) -> (f64, u64) {
-    put(http, format!("{}/v1/streams/PULL", kg.base), json!({"subjects":["pull.*"],"partitions":PARTITIONS})).await;
-    fill(js, "pull", n).await;
-    put(
-        http,
-        format!("{}/v1/streams/PULL/groups/g", kg.base),
-        json!({"kind":"static","partitions":PARTITIONS,"members":["m"]}),
-    )
-    .await;
+    backlog_group(kg, http, js, "PULL", n).await;
     let member = format!("{}/v1/streams/PULL/groups/g/members/m", kg.base);
-    let (mut received, mut reorders) = (0u64, 0u64);
-    let mut last_by_key: HashMap<String, u64> = HashMap::new();
+    let mut received = 0u64;
+    let mut reorders = Reorders::default();
     let mut first = None;
     let mut last = Instant::now();
     while received < n {
@@ -116,15 +125,7 @@ async fn keygate_pull(kg: &KeygateProcess, http: &reqwest::Client, js: &jetstrea
             continue;
         }
         first.get_or_insert_with(Instant::now);
-        for message in &messages {
-            let key = message["key"].as_str().unwrap_or_default().to_owned();
-            let seq = message["stream_seq"].as_u64().unwrap();
-            let previous = last_by_key.entry(key).or_insert(0);
-            if seq < *previous {
-                reorders += 1;
-            }
-            *previous = seq;
-        }
+        messages.iter().for_each(|message| reorders.see(message));
         let ack_ids: Vec<&Value> = messages.iter().map(|m| &m["ack_id"]).collect();
         let settled: Value = http
             .post(format!("{member}/acks"))
@@ -139,7 +140,7 @@ async fn keygate_pull(kg: &KeygateProcess, http: &reqwest::Client, js: &jetstrea
         received += messages.len() as u64;
         last = Instant::now();
     }
-    ((n - 1) as f64 / (last - first.unwrap()).as_secs_f64(), reorders)
+    ((n - 1) as f64 / (last - first.unwrap()).as_secs_f64(), reorders.count)
 }
 
 /// The baseline: the member's consumer config by hand (one filter per
