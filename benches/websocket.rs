@@ -52,6 +52,10 @@ async fn backlog_group(kg: &KeygateProcess, http: &reqwest::Client, js: &jetstre
     put(http, format!("{}/v1/streams/{name}/groups/g", kg.base), group).await;
 }
 
+async fn post_json(http: &reqwest::Client, url: String, body: Value) -> Value {
+    http.post(url).json(&body).send().await.unwrap().json().await.unwrap()
+}
+
 /// Counts deliveries that came before an earlier one of their key.
 #[derive(Default)]
 struct Reorders {
@@ -111,15 +115,7 @@ async fn keygate_pull(kg: &KeygateProcess, http: &reqwest::Client, js: &jetstrea
     let mut first = None;
     let mut last = Instant::now();
     while received < n {
-        let answer: Value = http
-            .post(format!("{member}/fetch"))
-            .json(&json!({"max_messages": 100, "wait_ms": 5000}))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let answer = post_json(http, format!("{member}/fetch"), json!({"max_messages": 100, "wait_ms": 5000})).await;
         let messages = answer["messages"].as_array().cloned().unwrap_or_default();
         if messages.is_empty() {
             continue;
@@ -127,15 +123,7 @@ async fn keygate_pull(kg: &KeygateProcess, http: &reqwest::Client, js: &jetstrea
         first.get_or_insert_with(Instant::now);
         messages.iter().for_each(|message| reorders.see(message));
         let ack_ids: Vec<&Value> = messages.iter().map(|m| &m["ack_id"]).collect();
-        let settled: Value = http
-            .post(format!("{member}/acks"))
-            .json(&json!({"ack": ack_ids}))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let settled = post_json(http, format!("{member}/acks"), json!({"ack": ack_ids})).await;
         assert_eq!(settled["failed"], json!([]), "every ack lands");
         received += messages.len() as u64;
         last = Instant::now();
