@@ -12,6 +12,8 @@ use std::future::Future;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
+
+use crate::nats::buckets::expiring_bucket;
 use tokio_util::sync::CancellationToken;
 
 /// Where leases live: one key per duty, the holder's name as the value.
@@ -38,7 +40,7 @@ pub async fn run_as_singleton<F, Fut>(
     let held = |value: f64| gauge.set(value);
     held(0.0);
     loop {
-        let acquired = match bucket(&js).await {
+        let acquired = match expiring_bucket(&js, LEASES_BUCKET, LEASE_TTL).await {
             Ok(store) => match store.create(name, holder.clone().into()).await {
                 Ok(revision) => Some((store, revision)),
                 Err(_) => None,
@@ -88,22 +90,5 @@ async fn hold(store: &kv::Store, name: &str, holder: &str, mut revision: u64, ca
             Ok(Ok(next)) => revision = next,
             _ => return false,
         }
-    }
-}
-
-async fn bucket(js: &jetstream::Context) -> Result<kv::Store, String> {
-    if let Ok(store) = js.get_key_value(LEASES_BUCKET).await {
-        return Ok(store);
-    }
-    let config = kv::Config {
-        bucket: LEASES_BUCKET.into(),
-        history: 1,
-        max_age: LEASE_TTL,
-        num_replicas: crate::nats::replicas::state_replicas(js),
-        ..Default::default()
-    };
-    match js.create_key_value(config).await {
-        Ok(store) => Ok(store),
-        Err(created) => js.get_key_value(LEASES_BUCKET).await.map_err(|_| created.to_string()),
     }
 }

@@ -10,6 +10,8 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::{self, kv};
 use futures::TryStreamExt;
 
+use crate::nats::buckets::expiring_bucket;
+
 /// Where instances announce themselves; entries live this long unrenewed.
 const PRESENCE_BUCKET: &str = "keygate-presence";
 const PRESENCE_TTL: Duration = Duration::from_secs(10);
@@ -88,20 +90,7 @@ impl WindowShare {
     }
 
     async fn bucket(&self) -> Result<kv::Store, ()> {
-        if let Ok(store) = self.js.get_key_value(PRESENCE_BUCKET).await {
-            return Ok(store);
-        }
-        let config = kv::Config {
-            bucket: PRESENCE_BUCKET.into(),
-            history: 1,
-            max_age: PRESENCE_TTL,
-            num_replicas: crate::nats::replicas::state_replicas(&self.js),
-            ..Default::default()
-        };
-        match self.js.create_key_value(config).await {
-            Ok(store) => Ok(store),
-            Err(_) => self.js.get_key_value(PRESENCE_BUCKET).await.map_err(|_| ()),
-        }
+        expiring_bucket(&self.js, PRESENCE_BUCKET, PRESENCE_TTL).await.map_err(|_| ())
     }
 }
 

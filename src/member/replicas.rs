@@ -16,6 +16,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::roster::{Roster, RosterEntry};
+use crate::nats::buckets::expiring_bucket;
 
 pub const REPLICAS_BUCKET: &str = "keygate-replicas";
 /// A replica unheard for this long is gone.
@@ -124,7 +125,7 @@ impl Replicas {
         let own = Own { tag: tag.clone(), name: name.clone(), roster: roster.clone() };
         *self.own.lock().unwrap_or_else(|p| p.into_inner()) = Some(own);
         let store = loop {
-            match bucket(&js).await {
+            match expiring_bucket(&js, REPLICAS_BUCKET, REPLICA_TTL).await {
                 Ok(store) => break store,
                 Err(e) => tracing::debug!(error = %e, "replicas bucket unavailable; retrying"),
             }
@@ -173,22 +174,5 @@ async fn next_entry(watch: &mut Option<kv::Watch>) -> Option<kv::Entry> {
     match watch {
         Some(watch) => watch.next().await.and_then(Result::ok),
         None => std::future::pending().await,
-    }
-}
-
-async fn bucket(js: &jetstream::Context) -> Result<kv::Store, String> {
-    if let Ok(store) = js.get_key_value(REPLICAS_BUCKET).await {
-        return Ok(store);
-    }
-    let config = kv::Config {
-        bucket: REPLICAS_BUCKET.into(),
-        history: 1,
-        max_age: REPLICA_TTL,
-        num_replicas: crate::nats::replicas::state_replicas(js),
-        ..Default::default()
-    };
-    match js.create_key_value(config).await {
-        Ok(store) => Ok(store),
-        Err(created) => js.get_key_value(REPLICAS_BUCKET).await.map_err(|_| created.to_string()),
     }
 }

@@ -1,6 +1,8 @@
 //! Everything that talks to NATS directly: the connection, the embedded
-//! server, and the classification of broker errors.
+//! server, the classification of broker errors, shared subscriptions, and
+//! expiring KV buckets.
 
+pub mod buckets;
 pub mod connect;
 pub mod embedded;
 pub mod errors;
