@@ -121,7 +121,7 @@ impl Replicas {
     /// Announces this replica (as `name`, with `roster`) until `cancel`,
     /// and follows the others.
     pub async fn run(self, js: jetstream::Context, name: String, roster: Arc<Roster>, cancel: CancellationToken) {
-        let tag = format!("{:016x}", rand::random::<u64>());
+        let tag = crate::delivery::pull::new_replica_tag();
         let own = Own { tag: tag.clone(), name: name.clone(), roster: roster.clone() };
         *self.own.lock().unwrap_or_else(|p| p.into_inner()) = Some(own);
         let store = loop {
