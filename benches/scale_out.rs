@@ -8,9 +8,12 @@
 //! 2. the group view's latency (`GET …/groups/{group}`) with 100 members on
 //!    3 replicas, beside the consumer-info requests such a view makes, raw;
 //! 3. 100 groups × 10 webhook members on 3 replicas, idle: CPU per keygate
-//!    over 30 s, RSS, and runtime tasks at the start and end of the window.
+//!    over 30 s, RSS, and at the start and end of the window its runtime
+//!    tasks and NATS subscriptions and the server's consumer count (KV
+//!    watches are consumers too).
 //!
-//! `cargo bench --bench scale_out` (env `KEYGATE_BENCH_MESSAGES`, default 12000).
+//! `cargo bench --bench scale_out` (env `KEYGATE_BENCH_MESSAGES`, default 12000;
+//! `KEYGATE_BENCH_PARTS`, default `delivery,view,idle`).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -197,11 +200,41 @@ async fn group_view(http: &reqwest::Client, nats: &NatsEndpoint, js: &jetstream:
     ([percentile(&keygate, 0.5), percentile(&keygate, 0.99)], [percentile(&raw, 0.5), percentile(&raw, 0.99)])
 }
 
-/// Per keygate: CPU (% of a core) over 30 idle seconds, RSS (MiB), and
-/// runtime tasks at the start and end of the window; 1,000 webhook members.
-async fn idle_members(http: &reqwest::Client, nats: &NatsEndpoint) -> Vec<(f64, f64, f64, f64)> {
+/// What one keygate costs idle: CPU (% of a core) over the window, RSS
+/// (MiB), and at the start and end of the window its runtime tasks and
+/// the subscriptions its NATS connection holds at the server.
+struct IdleCost {
+    cpu: f64,
+    rss: f64,
+    tasks: [f64; 2],
+    subscriptions: [u64; 2],
+}
+
+/// Subscriptions per keygate connection (named `keygate <instance id>`)
+/// and the server's consumer count, from its monitoring endpoint.
+async fn server_counts(http: &reqwest::Client, monitor: u16) -> (BTreeMap<String, u64>, u64) {
+    let connz: Value =
+        http.get(format!("http://127.0.0.1:{monitor}/connz?limit=1024")).send().await.unwrap().json().await.unwrap();
+    let subs = connz["connections"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|c| Some((c["name"].as_str()?.to_owned(), c["subscriptions"].as_u64()?)))
+        .collect();
+    let jsz: Value = http.get(format!("http://127.0.0.1:{monitor}/jsz")).send().await.unwrap().json().await.unwrap();
+    (subs, jsz["consumers"].as_u64().unwrap_or(0))
+}
+
+/// 1,000 idle webhook members (100 groups × 10) on 3 replicas, against a
+/// nats-server of their own whose monitoring endpoint counts subscriptions
+/// and consumers: the cost per keygate, and the server's consumers at the
+/// start and end of the window.
+async fn idle_members(http: &reqwest::Client) -> (Vec<IdleCost>, [u64; 2]) {
+    let monitor = support::free_port();
+    let server = support::NatsServer::start_with(&["-m", &monitor.to_string()]);
+    let nats = NatsEndpoint::open(&server.url());
     let kgs: Vec<KeygateProcess> =
-        (0..3).map(|i| KeygateProcess::for_bench(nats, Some(&format!("idle-{i}")))).collect();
+        (0..3).map(|i| KeygateProcess::for_bench(&nats, Some(&format!("idle-{i}")))).collect();
     for kg in &kgs {
         kg.wait_ready(http).await;
     }
@@ -211,18 +244,25 @@ async fn idle_members(http: &reqwest::Client, nats: &NatsEndpoint) -> Vec<(f64, 
     }
     // Every replica runs all 1,000 instances before the window starts.
     tokio::time::sleep(Duration::from_secs(20)).await;
+    let window: u64 = support::env_or("KEYGATE_BENCH_IDLE_SECS", 30);
     let mut before = Vec::new();
     for kg in &kgs {
         before.push((kg.cpu_seconds(), kg.metric(http, "keygate_runtime_alive_tasks").await));
     }
-    let window = Duration::from_secs(30);
-    tokio::time::sleep(window).await;
-    let mut figures = Vec::new();
-    for (kg, (cpu, tasks)) in kgs.iter().zip(before) {
-        let used = (kg.cpu_seconds() - cpu) / window.as_secs_f64() * 100.0;
-        figures.push((used, kg.rss_mib(), tasks, kg.metric(http, "keygate_runtime_alive_tasks").await));
+    let (subs_before, consumers_before) = server_counts(http, monitor).await;
+    tokio::time::sleep(Duration::from_secs(window)).await;
+    let (subs_after, consumers_after) = server_counts(http, monitor).await;
+    let mut costs = Vec::new();
+    for (i, (kg, (cpu, tasks))) in kgs.iter().zip(before).enumerate() {
+        let name = format!("keygate idle-{i}");
+        costs.push(IdleCost {
+            cpu: (kg.cpu_seconds() - cpu) / window as f64 * 100.0,
+            rss: kg.rss_mib(),
+            tasks: [tasks, kg.metric(http, "keygate_runtime_alive_tasks").await],
+            subscriptions: [subs_before.get(&name).copied().unwrap_or(0), subs_after.get(&name).copied().unwrap_or(0)],
+        });
     }
-    figures
+    (costs, [consumers_before, consumers_after])
 }
 
 #[tokio::main]
@@ -237,9 +277,12 @@ async fn main() -> anyhow::Result<()> {
     println!("keygate scale-out benchmark ({n} messages, {MEMBERS}-member group, 1 ms of work each, loopback)");
     println!("| measure | raw async-nats | keygate | ratio | target |");
     println!("|---|---|---|---|---|");
-    let raw = raw_delivery(&http, &nats, &js, n).await;
+    // KEYGATE_BENCH_PARTS: which of delivery, view, idle to run (default all).
+    let parts: String = support::env_or("KEYGATE_BENCH_PARTS", "delivery,view,idle".to_owned());
+    let part = |name: &str| parts.split(',').any(|p| p.trim() == name);
+    let raw = if part("delivery") { raw_delivery(&http, &nats, &js, n).await } else { 0.0 };
     let mut one = None;
-    for replicas in 1..=3 {
+    for replicas in (1..=3).filter(|_| part("delivery")) {
         let (rate, spread) = delivery(&http, &nats, &js, replicas, n).await;
         let single = *one.get_or_insert(rate);
         println!(
@@ -248,18 +291,28 @@ async fn main() -> anyhow::Result<()> {
             rate / single
         );
     }
-    let (keygate, raw) = group_view(&http, &nats, &js).await;
-    println!(
+    if part("view") {
+        let (keygate, raw) = group_view(&http, &nats, &js).await;
+        println!(
         "| group GET, 100 members, 3 replicas: p50 / p99 | {:.1} / {:.1} ms (100 consumer infos at once) | {:.1} / {:.1} ms | {:.2}× at p99 | p99 ≤ 20 ms |",
         raw[0],
         raw[1],
         keygate[0],
         keygate[1],
         keygate[1] / raw[1]
-    );
-    for (i, (cpu, rss, tasks_before, tasks_after)) in idle_members(&http, &nats).await.into_iter().enumerate() {
+        );
+    }
+    if part("idle") {
+        let (costs, consumers) = idle_members(&http).await;
+        for (i, c) in costs.iter().enumerate() {
+            println!(
+                "| idle, 100 groups × 10 webhook members, keygate {i} of 3: CPU, RSS; tasks and NATS subscriptions at the window's start → end | | {:.2}% of a core, {:.1} MiB; tasks {:.0} → {:.0}, subscriptions {} → {} | | ≤ 2% CPU, ≤ 150 MB, no growth |",
+                c.cpu, c.rss, c.tasks[0], c.tasks[1], c.subscriptions[0], c.subscriptions[1]
+            );
+        }
         println!(
-            "| idle, 100 groups × 10 webhook members, keygate {i} of 3: CPU, RSS, tasks | | {cpu:.2}% of a core, {rss:.1} MiB, tasks {tasks_before:.0} → {tasks_after:.0} | | ≤ 2% CPU, ≤ 150 MB |"
+            "| idle: the server's consumers (members' and KV watches') at the window's start → end | | {} → {} | | no growth |",
+            consumers[0], consumers[1]
         );
     }
     server.stop().await;

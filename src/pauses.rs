@@ -7,6 +7,7 @@
 use std::sync::Arc;
 
 use async_nats::jetstream::{self, kv};
+use futures::StreamExt as _;
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use tokio::sync::broadcast::{error::RecvError, Receiver};
@@ -76,6 +77,9 @@ pub fn pause_key(who: &MemberRef) -> String {
     format!("{}.{}.{}.{}", who.owner.as_str(), who.stream, who.group, who.member)
 }
 
+/// Pause flags read at once (a request each).
+const CONCURRENT_READS: usize = 32;
+
 /// The pause flags.
 #[derive(Clone)]
 pub struct Pauses {
@@ -116,6 +120,25 @@ impl Pauses {
         let Some(store) = self.bucket(false).await? else { return Ok(None) };
         let entry = store.get(pause_key(who)).await.map_err(|e| unavailable_or_internal("reading a pause", e))?;
         Ok(entry.and_then(|bytes| serde_json::from_slice(&bytes).ok()))
+    }
+
+    /// Whether each of `who` is paused (`None` in, `None` out): one bucket
+    /// lookup, then the flags read concurrently; a flag that cannot be read
+    /// counts as none.
+    pub async fn get_many(&self, who: &[Option<MemberRef>]) -> Vec<Option<Pause>> {
+        let store = match self.bucket(false).await {
+            Ok(Some(store)) => store,
+            Ok(None) | Err(_) => return vec![None; who.len()],
+        };
+        let keys: Vec<Option<String>> = who.iter().map(|w| w.as_ref().map(pause_key)).collect();
+        let reads = keys.into_iter().map(|key| {
+            let store = store.clone();
+            async move {
+                let bytes = store.get(key?).await.ok().flatten()?;
+                serde_json::from_slice(&bytes).ok()
+            }
+        });
+        futures::stream::iter(reads).buffered(CONCURRENT_READS).collect().await
     }
 
     /// Pauses `who`; a member already paused keeps its first pause, which

@@ -30,20 +30,24 @@ impl GroupAdmin {
     }
 
     /// The view, and the floor each partition's backlog was counted from
-    /// (its owner's ack floor; static groups only).
+    /// (its owner's ack floor; static groups only, and only partitions
+    /// counted one by one, see [`backlog_from_consumers`]).
     pub async fn view_counted(
         &self,
         stream: &StreamName,
         group: &GroupName,
         kind: Option<GroupKind>,
     ) -> Result<(GroupView, BTreeMap<u32, u64>), Error> {
-        let stored = self.load(stream, group, kind).await?;
-        let settings = self.settings(stream, group).await?;
+        let (stored, settings) = tokio::join!(self.load(stream, group, kind), self.settings(stream, group));
+        let (stored, settings) = (stored?, settings?);
         let config = &stored.config;
         let partitions = config.partitions();
         let owners = ownership(partitions, config.members(), config.mappings());
         let mut assignment = Vec::with_capacity(owners.len());
         let mut floors: BTreeMap<String, u64> = BTreeMap::new();
+        // What each member's consumer has not had acknowledged: undelivered
+        // plus delivered and unacknowledged.
+        let mut backlogs: BTreeMap<String, u64> = BTreeMap::new();
         // Asked all at once (in order): a hundred members cost one round trip, not a hundred.
         let consumers: Vec<(String, String)> =
             owners.iter().map(|(member, _)| consumer_of(config, stream.as_str(), group.as_str(), member)).collect();
@@ -58,6 +62,7 @@ impl GroupAdmin {
             let state = match info {
                 Some(info) => {
                     floors.insert(member.clone(), info.ack_floor.stream_sequence);
+                    backlogs.insert(member.clone(), info.num_pending + info.num_ack_pending as u64);
                     let pin = info.priority_groups.iter().find(|g| g.group == PRIORITY_GROUP);
                     MemberState {
                         member: member.clone(),
@@ -99,16 +104,14 @@ impl GroupAdmin {
             assignment.push(state);
         }
         let pauses = crate::pauses::Pauses::new(self.js.clone());
-        let flags = futures::future::join_all(assignment.iter().map(|state| {
-            let pauses = &pauses;
-            async move {
+        let members: Vec<Option<MemberRef>> = assignment
+            .iter()
+            .map(|state| {
                 let member = crate::names::MemberName::parse(&state.member).ok()?;
-                let who = MemberRef { stream: stream.clone(), group: group.clone(), member, owner: Owner::Group };
-                pauses.get(&who).await.ok().flatten()
-            }
-        }))
-        .await;
-        for (state, paused) in assignment.iter_mut().zip(flags) {
+                Some(MemberRef { stream: stream.clone(), group: group.clone(), member, owner: Owner::Group })
+            })
+            .collect();
+        for (state, paused) in assignment.iter_mut().zip(pauses.get_many(&members).await) {
             state.paused = paused;
         }
         let owner_of: BTreeMap<u32, String> =
@@ -117,10 +120,15 @@ impl GroupAdmin {
         let mut counted_from = BTreeMap::new();
         let counted = match config {
             GroupConfig::Static(c) => {
+                let known = backlog_from_consumers(&owners, &backlogs);
                 counted_from = (0..partitions)
+                    .filter(|p| !known.contains_key(p))
                     .map(|p| (p, owner_of.get(&p).and_then(|m| floors.get(m)).copied().unwrap_or(0)))
                     .collect();
-                self.static_pending(stream.as_str(), c, &counted_from).await
+                self.static_pending(stream.as_str(), c, &counted_from).await.map(|mut counts| {
+                    counts.extend(known);
+                    counts
+                })
             }
             GroupConfig::Elastic(_) => {
                 self.subject_counts(&elastic_stream_name(stream.as_str(), group.as_str()), partitions).await
@@ -194,6 +202,25 @@ impl GroupAdmin {
     }
 }
 
+/// The partitions whose backlog a member's consumer already tells exactly:
+/// every partition of a member with nothing unacknowledged, and the one
+/// partition of a member that owns one. Only a member owning several
+/// partitions with a backlog needs it counted partition by partition (and
+/// one whose consumer does not exist yet, from the start).
+fn backlog_from_consumers(owners: &[(String, Vec<u32>)], backlogs: &BTreeMap<String, u64>) -> BTreeMap<u32, u64> {
+    let mut known = BTreeMap::new();
+    for (member, owned) in owners {
+        match (backlogs.get(member), owned.as_slice()) {
+            (Some(0), _) => known.extend(owned.iter().map(|p| (*p, 0))),
+            (Some(backlog), [only]) => {
+                known.insert(*only, *backlog);
+            }
+            _ => {}
+        }
+    }
+    known
+}
+
 pub(super) fn mappings_view(mappings: &[MemberMapping]) -> Option<Vec<OwnedPartitions>> {
     (!mappings.is_empty()).then(|| {
         mappings
@@ -212,5 +239,24 @@ pub(super) fn membership_view(config: &GroupConfig, revision: u64) -> Membership
             .map(|(member, partitions)| OwnedPartitions { member, partitions })
             .collect(),
         revision,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_members_with_several_partitions_and_a_backlog_are_counted_one_by_one() {
+        let owners = vec![
+            ("idle".to_owned(), vec![0, 1]),
+            ("single".to_owned(), vec![2]),
+            ("busy".to_owned(), vec![3, 4]),
+            ("unjoined".to_owned(), vec![5]),
+        ];
+        let backlogs: BTreeMap<String, u64> =
+            [("idle", 0), ("single", 7), ("busy", 3)].into_iter().map(|(m, n)| (m.to_owned(), n)).collect();
+        let known = backlog_from_consumers(&owners, &backlogs);
+        assert_eq!(known, BTreeMap::from([(0, 0), (1, 0), (2, 7)]), "3 and 4 split, 5 has no consumer");
     }
 }

@@ -49,6 +49,23 @@ impl PullRequest {
     }
 }
 
+/// The grid pull deadlines are rounded down to.
+const EXPIRY_GRID: Duration = Duration::from_millis(250);
+
+/// A pull's expiry, at most `expiry`, chosen so the pull ends on a
+/// process-wide 250 ms grid. Instances re-pull when their pulls end, so
+/// a thousand idle ones end up renewing in a few bursts per expiry instead
+/// of one at a time: the server's answers arrive together and the next
+/// pulls leave together, a few reads and writes for all of them instead of
+/// a wake-up and a system call each.
+pub fn grid_expiry(expiry: Duration, now: Instant) -> Duration {
+    static ANCHOR: std::sync::LazyLock<Instant> = std::sync::LazyLock::new(Instant::now);
+    let since = (now + expiry).saturating_duration_since(*ANCHOR);
+    let slots = since.as_nanos() / EXPIRY_GRID.as_nanos();
+    let end = *ANCHOR + EXPIRY_GRID * slots as u32;
+    end.saturating_duration_since(now).max(expiry.saturating_sub(EXPIRY_GRID))
+}
+
 /// Pulls sent and not yet over, oldest first: the server fills them in
 /// that order, and messages come on their own subjects, not the pull's.
 #[derive(Debug)]
@@ -221,6 +238,21 @@ impl DeliveryGaps {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pulls_end_on_the_grid_and_never_later_than_asked() {
+        let start = Instant::now();
+        let expiry = Duration::from_millis(2500);
+        let mut ends = std::collections::BTreeSet::new();
+        for offset_ms in (0..1000).step_by(7) {
+            let now = start + Duration::from_millis(offset_ms);
+            let chosen = grid_expiry(expiry, now);
+            assert!(chosen <= expiry && chosen > expiry - EXPIRY_GRID, "{chosen:?} at +{offset_ms} ms");
+            ends.insert((now + chosen).duration_since(start).as_millis() / 10);
+        }
+        // 143 pulls sent over a second end in about five distinct moments.
+        assert!(ends.len() <= 6, "{ends:?}");
+    }
 
     #[test]
     fn a_jump_in_the_delivery_sequence_is_a_gap() {

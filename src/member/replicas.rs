@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::roster::{Roster, RosterEntry};
+use super::roster::{InstanceReport, Roster, RosterEntry};
 use crate::nats::buckets::expiring_bucket;
 
 pub const REPLICAS_BUCKET: &str = "keygate-replicas";
@@ -34,12 +34,13 @@ struct ReplicaReport {
     instances: Vec<RosterEntry>,
 }
 
-/// One instance of a member, as the group view lists it.
+/// One instance of a member on a live replica.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServingInstance {
+    /// The replica's `--instance-id`.
     pub instance: String,
     pub session: u64,
-    pub pinned: bool,
+    pub report: InstanceReport,
 }
 
 /// Another replica's entry as last written.
@@ -98,12 +99,12 @@ impl Replicas {
         let mut by_member: BTreeMap<String, Vec<ServingInstance>> = BTreeMap::new();
         for (name, instances) in reports {
             for entry in instances.into_iter().filter(|e| e.stream == stream && e.group == group) {
-                let instance = ServingInstance { instance: name.clone(), session: entry.session, pinned: entry.pinned };
+                let instance = ServingInstance { instance: name.clone(), session: entry.session, report: entry.report };
                 by_member.entry(entry.member).or_default().push(instance);
             }
         }
         for instances in by_member.values_mut() {
-            instances.sort_by(|a, b| b.pinned.cmp(&a.pinned).then_with(|| a.instance.cmp(&b.instance)));
+            instances.sort_by(|a, b| b.report.pinned.cmp(&a.report.pinned).then_with(|| a.instance.cmp(&b.instance)));
         }
         by_member
     }

@@ -37,14 +37,38 @@ pub async fn observe(
     instances: Instances<'_>,
 ) -> Result<GroupView, Error> {
     let (mut view, counted_from) = groups.view_counted(stream, group, kind).await?;
-    let asks = view.assignment.iter().filter(|m| m.pinned_client_id.is_some()).filter_map(|m| {
+    let mut live = match &instances {
+        Instances::Live(replicas) => Some(replicas.instances_of(stream.as_str(), group.as_str())),
+        Instances::Skip | Instances::RollCall => None,
+    };
+    // The pin holder as its replica reports it. It is asked only for what
+    // the report lacks: its blocked lanes, and the per-partition floors
+    // that sharpen a backlog counted partition by partition; a holder no
+    // report names (not published yet, or not keygate) is asked as well.
+    let mut to_ask = Vec::new();
+    for state in &mut view.assignment {
+        let Some(pin) = state.pinned_client_id.as_deref() else { continue };
+        let holder = live
+            .as_ref()
+            .and_then(|live| live.get(&state.member))
+            .and_then(|instances| instances.iter().find(|i| i.report.pin.as_deref() == Some(pin)));
+        if let Some(holder) = holder {
+            state.serving_instance = Some(holder.instance.clone());
+            state.fencing_token = holder.report.fencing_token;
+        }
+        let counted = state.partitions.iter().any(|p| counted_from.contains_key(p));
+        if holder.is_none_or(|h| h.report.blocked) || counted {
+            to_ask.push(state.member.clone());
+        }
+    }
+    let asks = to_ask.into_iter().filter_map(|member| {
         let who = MemberRef {
             stream: stream.clone(),
             group: group.clone(),
-            member: MemberName::parse(&m.member).ok()?,
+            member: MemberName::parse(&member).ok()?,
             owner: Default::default(),
         };
-        Some(async move { (who.member.to_string(), ask(nats, &who, &Control::Status).await) })
+        Some(async move { (member, ask(nats, &who, &Control::Status).await) })
     });
     let mut floors = BTreeMap::new();
     for (member, reply) in futures::future::join_all(asks).await {
@@ -71,14 +95,13 @@ pub async fn observe(
         }
     }
     view.blocked.sort_by(|a, b| (a.partition, &a.key, a.seq).cmp(&(b.partition, &b.key, b.seq)));
-    if let Instances::Live(replicas) = instances {
-        let mut live = replicas.instances_of(stream.as_str(), group.as_str());
+    if let Some(live) = live.as_mut() {
         for state in &mut view.assignment {
             state.instances = live
                 .remove(&state.member)
                 .unwrap_or_default()
                 .into_iter()
-                .map(|i| InstanceState { instance: i.instance, session: i.session, pinned: i.pinned })
+                .map(|i| InstanceState { instance: i.instance, session: i.session, pinned: i.report.pinned })
                 .collect();
         }
     } else if let Instances::RollCall = instances {

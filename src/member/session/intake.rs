@@ -10,7 +10,7 @@ use crate::groups::Ordering;
 use crate::member::deliver::{remove, Because};
 use crate::member::join::pull_expiry;
 use crate::member::lanes::{LaneId, Offered};
-use crate::member::pull::{classify, PullRequest, Reply};
+use crate::member::pull::{classify, grid_expiry, PullRequest, Reply};
 
 /// Most messages asked for in one pull.
 const MAX_PULL_BATCH: usize = 256;
@@ -37,7 +37,8 @@ impl Session {
                 return;
             }
             let room = if trickle { 1 } else { MAX_PULL_BATCH };
-            let request = PullRequest::new(room, pull_expiry(self.joined.ack_wait), self.pin.id());
+            let expiry = grid_expiry(pull_expiry(self.joined.ack_wait), Instant::now());
+            let request = PullRequest::new(room, expiry, self.pin.id());
             let nats = self.shared.ctx.nats.clone();
             if !self.pulls.send(&nats, &self.joined.stream_name, &self.joined.consumer, &request).await {
                 return;

@@ -19,6 +19,7 @@ use crate::events::{About, Event};
 use crate::member::context::InstanceContext;
 use crate::member::deliver::{dead_letter_and_term, deliver, Outcome};
 use crate::member::lanes::{Blocked, Dispatched, LaneId, LaneKey, Lanes, Settled, Settlement};
+use crate::member::roster::Roster;
 use crate::member_ref::MemberRef;
 
 /// Lane state shared by the session and the lane workers. Never held across
@@ -32,21 +33,29 @@ pub(super) struct LaneState {
 }
 
 /// Lanes reported blocked, mirrored in the blocked-partitions and
-/// blocked-keys gauges (which drop back when the instance ends).
+/// blocked-keys gauges (which drop back when the instance ends) and, as
+/// "any blocked", in the roster (the group view asks only such instances
+/// for their list).
 pub(super) struct BlockedLanes {
     set: BTreeSet<LaneId>,
     partitions: metrics::Gauge,
     keys: metrics::Gauge,
+    roster: Arc<Roster>,
+    who: MemberRef,
+    session: u64,
 }
 
 impl BlockedLanes {
-    pub fn new(who: &MemberRef) -> Self {
+    pub fn new(who: &MemberRef, roster: Arc<Roster>, session: u64) -> Self {
         let labels =
             [("stream", who.stream.to_string()), ("group", who.group.to_string()), ("member", who.member.to_string())];
         Self {
             set: BTreeSet::new(),
             partitions: metrics::gauge!(crate::metrics::BLOCKED_PARTITIONS, labels.as_slice()),
             keys: metrics::gauge!(crate::metrics::BLOCKED_KEYS, labels.as_slice()),
+            roster,
+            who: who.clone(),
+            session,
         }
     }
 
@@ -55,6 +64,10 @@ impl BlockedLanes {
             LaneKey::Partition => &self.partitions,
             LaneKey::Key(_) | LaneKey::Alone(_) => &self.keys,
         }
+    }
+
+    fn report(&self) {
+        self.roster.set_blocked(&self.who, self.session, !self.set.is_empty());
     }
 
     pub fn contains(&self, lane: &LaneId) -> bool {
@@ -66,6 +79,7 @@ impl BlockedLanes {
         let new = self.set.insert(lane.clone());
         if new {
             self.gauge(lane).increment(1.0);
+            self.report();
         }
         new
     }
@@ -75,6 +89,7 @@ impl BlockedLanes {
         let was = self.set.remove(lane);
         if was {
             self.gauge(lane).decrement(1.0);
+            self.report();
         }
         was
     }
@@ -83,6 +98,7 @@ impl BlockedLanes {
         for lane in std::mem::take(&mut self.set) {
             self.gauge(&lane).decrement(1.0);
         }
+        self.report();
     }
 }
 

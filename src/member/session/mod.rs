@@ -41,11 +41,14 @@ use crate::groups::{GroupConfig, GroupSettings, Ordering as GroupOrdering};
 use crate::member_ref::MemberRef;
 use crate::pauses::PauseUpdate;
 
-/// How often a non-pinned instance checks who holds the pin.
+/// How soon a seeking instance first asks who holds the pin, and how often
+/// a pinned one retries raising its fencing token.
 pub(super) const PIN_CHECK: Duration = Duration::from_millis(250);
 /// How often a newly pinned instance checks whether the handover barrier
 /// can come down (nothing is delivered until it does).
-const BARRIER_CHECK: Duration = Duration::from_millis(20);
+pub(super) const BARRIER_CHECK: Duration = Duration::from_millis(20);
+/// A deadline far enough away to mean "not before something else happens".
+const NOT_SOON: Duration = Duration::from_secs(3600);
 
 /// Why a session ended.
 pub enum SessionEnd {
@@ -99,6 +102,8 @@ pub struct Session {
     /// While seeking: how long until it next asks who holds the pin, and when.
     seek_every: Duration,
     next_seek: Instant,
+    /// When `check_pin` last ran.
+    pin_checked: Instant,
 }
 
 impl Session {
@@ -111,7 +116,8 @@ impl Session {
     ) -> Option<Self> {
         let keys = KeyLocator::for_group(&ctx, &joined.config, who.stream.as_str()).await?;
         let pulls = OpenPulls::new(ctx.nats.new_inbox());
-        let blocked_reported = BlockedLanes::new(&who);
+        let session_id = rand::random::<u64>() >> 16;
+        let blocked_reported = BlockedLanes::new(&who, ctx.roster.clone(), session_id);
         let balanced = matches!(&*endpoint, Endpoint::Webhook(_)) && who.owner == crate::member_ref::Owner::Group;
         let max_in_flight = match joined.settings.ordering() {
             GroupOrdering::Partition => endpoint.max_in_flight().unwrap_or(usize::MAX),
@@ -140,13 +146,14 @@ impl Session {
             last_reply: Instant::now(),
             pulls,
             lane_tasks: JoinSet::new(),
-            session_id: rand::random::<u64>() >> 16,
+            session_id,
             gaps: DeliveryGaps::default(),
             balanced,
             hold_pulls_until: None,
             handoff: None,
             seek_every: PIN_CHECK,
             next_seek: Instant::now(),
+            pin_checked: Instant::now(),
         })
     }
 
@@ -184,21 +191,29 @@ impl Session {
         let Ok(mut control) = self.ctx().subscriptions.subscribe(&control_subject).await else {
             return SessionEnd::ConsumerGone;
         };
+        // An idle instance sleeps until its next pull ends: no timer ticks
+        // for work that is not there (a thousand idle members stay cheap).
         let progress_every = (self.joined.ack_wait / 3).max(Duration::from_millis(100));
-        let mut progress = tokio::time::interval(progress_every);
-        let mut pin_check = tokio::time::interval(PIN_CHECK);
-        let mut barrier_check = tokio::time::interval(BARRIER_CHECK);
+        let mut progress_at: Option<Instant> = None;
         let wake = self.shared.wake.clone();
-        self.ctx().roster.set(self.who(), self.session_id, false);
+        self.report_pin();
         let end = loop {
             if self.shared.gone.load(Ordering::Relaxed) {
                 break SessionEnd::Gone;
             }
             self.dispatch();
             Box::pin(self.ensure_pull()).await;
-            let pull_deadline =
-                self.pulls.next_deadline().unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
-            let barrier_up = self.pin.is_pinned() && self.shared.lock().lanes.barrier();
+            let now = Instant::now();
+            // No pull open (holding back, or the last one could not be sent):
+            // look again soon.
+            let pull_deadline = self.pulls.next_deadline().unwrap_or(now + PIN_CHECK);
+            let (barrier_up, busy) = {
+                let state = self.shared.lock();
+                (self.pin.is_pinned() && state.lanes.barrier(), state.lanes.lane_count() > 0)
+            };
+            // Held, in-flight and awaited messages are kept alive while there are any.
+            progress_at = busy.then(|| progress_at.unwrap_or(now + progress_every));
+            let pin_check_at = self.next_pin_check(barrier_up).unwrap_or(now + NOT_SOON);
             tokio::select! {
                 () = cancel.cancelled() => break SessionEnd::Shutdown,
                 reply = replies.next() => {
@@ -208,9 +223,11 @@ impl Session {
                     }
                 }
                 () = wake.notified() => {}
-                _ = progress.tick() => Box::pin(self.progress()).await,
-                _ = pin_check.tick() => Box::pin(self.check_pin()).await,
-                _ = barrier_check.tick(), if barrier_up => Box::pin(self.check_pin()).await,
+                () = tokio::time::sleep_until(progress_at.unwrap_or(now).into()), if progress_at.is_some() => {
+                    progress_at = Some(Instant::now() + progress_every);
+                    Box::pin(self.progress()).await;
+                }
+                () = tokio::time::sleep_until(pin_check_at.into()) => Box::pin(self.check_pin()).await,
                 () = tokio::time::sleep_until(pull_deadline.into()) => self.pulls.expire(Instant::now()),
                 request = control.recv() => match request {
                     Ok(request) => Box::pin(self.on_control(request)).await,

@@ -15,7 +15,11 @@ use crate::member::join::{pinned_ttl, pull_expiry};
 use crate::member::pin::{announce_pinned, announce_standby, announce_unpinned, count_pin_change, pinned_to_someone};
 
 /// The longest a seeking instance waits between asking who holds the pin.
-const MAX_SEEK_EVERY: Duration = Duration::from_secs(4);
+/// The answer only tells clients it stands by (the pin itself comes through
+/// the pulls), and an idle member nobody pins keeps every instance seeking:
+/// a thousand of them asking every few seconds would be most of an idle
+/// replica's work.
+const MAX_SEEK_EVERY: Duration = Duration::from_secs(30);
 
 impl Session {
     fn owned_partitions(&self) -> Vec<u32> {
@@ -33,8 +37,8 @@ impl Session {
             self.shared.pinned.store(true, Ordering::Relaxed);
         }
         self.raise_fencing_token().await;
+        self.report_pin();
         count_pin_change(self.who(), "gained");
-        self.ctx().roster.set(self.who(), self.session_id, true);
         if self.balanced {
             self.ctx().pins.set_pinned(self.who(), true);
         }
@@ -75,6 +79,12 @@ impl Session {
             && ctx.pins.over_share(self.who(), ctx.replicas.count(), ctx.balance_slack)
     }
 
+    /// Tells the roster (and through it the group view) the pin this
+    /// instance holds now and its token.
+    pub(super) fn report_pin(&self) {
+        self.ctx().roster.set_pin(self.who(), self.session_id, self.pin.id(), self.pin.token());
+    }
+
     /// Raises the member's fencing token in KV; while it cannot, the pin
     /// stays with its token pending and nothing is delivered (a guessed
     /// token could be lower than the previous holder's).
@@ -85,6 +95,7 @@ impl Session {
             Ok(token) => {
                 self.shared.fencing.store(token, Ordering::Relaxed);
                 self.pin.set_token(token);
+                self.report_pin();
             }
             Err(e) => tracing::warn!(error = %e, "raising the fencing token failed; holding deliveries"),
         }
@@ -103,24 +114,48 @@ impl Session {
             state.blocked_reported.clear();
         }
         count_pin_change(self.who(), "lost");
-        self.ctx().roster.set(self.who(), self.session_id, false);
+        self.report_pin();
         if self.balanced {
             self.ctx().pins.set_pinned(self.who(), false);
         }
         announce_unpinned(self.ctx(), self.who(), &self.shared.endpoint, why, self.owned_partitions());
     }
 
+    /// How long a pinned instance may hear nothing from the server before it
+    /// steps down: less than the pin's TTL (the server re-pins then), more
+    /// than a pull's expiry (every pull ends with an answer).
+    fn allowed_silence(&self) -> Duration {
+        let ack_wait = self.joined.ack_wait;
+        (pinned_ttl(ack_wait).saturating_sub(Duration::from_millis(250)))
+            .max(pull_expiry(ack_wait) + Duration::from_millis(250))
+    }
+
+    /// When `check_pin` next has something to do: soon while the handover
+    /// barrier is up or the fencing token is pending, at the end of the
+    /// allowed silence while pinned, at the next seek while seeking; never
+    /// while standing by (the pin comes through the pulls).
+    pub(super) fn next_pin_check(&self, barrier_up: bool) -> Option<Instant> {
+        if barrier_up {
+            return Some(self.pin_checked + super::BARRIER_CHECK);
+        }
+        if self.pin.token_pending() {
+            return Some(self.pin_checked + super::PIN_CHECK);
+        }
+        if self.pin.is_pinned() {
+            return Some(self.last_reply + self.allowed_silence() + Duration::from_millis(1));
+        }
+        (!self.pin.is_standby()).then_some(self.next_seek)
+    }
+
     /// Steps down when the server has gone quiet, raises a pending token,
     /// lowers the handover barrier once the consumer's ack-pending messages
     /// are all this instance's, and notices a pin held elsewhere.
     pub(super) async fn check_pin(&mut self) {
+        self.pin_checked = Instant::now();
         if self.pin.is_pinned() {
             // Cut off from the server, this instance cannot see the pin move:
             // it stops on its own before the server re-pins another.
-            let ack_wait = self.joined.ack_wait;
-            let silence = (pinned_ttl(ack_wait).saturating_sub(Duration::from_millis(250)))
-                .max(pull_expiry(ack_wait) + Duration::from_millis(250));
-            if self.last_reply.elapsed() > silence {
+            if self.last_reply.elapsed() > self.allowed_silence() {
                 self.pulls.clear();
                 self.lose_pin("no word from the server within the pin's TTL");
                 return;
