@@ -6,14 +6,14 @@
 //! - every replica runs an instance of every member; an instance keeps a
 //!   pull waiting at the server (renewed every 2.5 s, the pull expiry of a
 //!   5 s ack wait) unless it holds back: for 10 s after stepping down, or
-//!   while its replica holds more than its share of the group's pins;
+//!   while its replica holds its share of the group's pins;
 //! - a pin set free (stepped down, or its holder's replica dead for the
 //!   pin TTL, 5 s) goes to a random waiting pull of a live instance, the
 //!   server taking waiting pulls in arrival order and pulls arriving at
 //!   random phases (every member is busy, so a free pin is taken at once);
 //! - each replica compares its pins with its share every 1–2 s (jittered)
-//!   and counts the replicas it has heard from in the last 6 s (presence
-//!   TTL), seeing a new one 200 ms after it starts;
+//!   and counts the replicas whose last presence renewal (every 2 s) is
+//!   less than 3 s old, seeing a new one 200 ms after it starts;
 //! - a joining replica's instances start over its first 3 s.
 //!
 //! It reports, for a cold start of 30 replicas, a 30th joining 29 balanced
@@ -27,6 +27,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use keygate::member::balance::{fair_share, to_step_down, MIN_TENURE, STEP_DOWN_HOLD};
+use keygate::member::replicas::RECENT;
 use keygate::names::MemberName;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -37,7 +38,7 @@ const REPLICAS: usize = 30;
 const STEP: Duration = Duration::from_millis(50);
 const PULL_EXPIRY: Duration = Duration::from_millis(2500);
 const PIN_TTL: Duration = Duration::from_secs(5);
-const PRESENCE_TTL: Duration = Duration::from_secs(6);
+const PRESENCE_RENEW: Duration = Duration::from_secs(2);
 const SEEN_AFTER: Duration = Duration::from_millis(200);
 const START_SPREAD_MS: u64 = 3000;
 const SLACK: usize = 0;
@@ -128,20 +129,26 @@ impl Model {
     }
 
     /// Replicas `r` counts: started at least `SEEN_AFTER` ago (or itself),
-    /// and not silent for the presence TTL.
+    /// and whose last presence renewal is less than `RECENT` old
+    /// (`Replicas::count`).
     fn replicas_seen_by(&self, r: usize) -> usize {
         self.replicas
             .iter()
             .enumerate()
             .filter(|(other, replica)| {
+                let last_renewal = replica.died.map(|died| {
+                    let lived = (died - replica.started).as_nanos() % PRESENCE_RENEW.as_nanos();
+                    died - Duration::from_nanos(lived as u64)
+                });
                 (*other == r || self.now >= replica.started + SEEN_AFTER)
-                    && replica.died.is_none_or(|died| self.now < died + PRESENCE_TTL)
+                    && last_renewal.is_none_or(|renewed| self.now < renewed + RECENT)
             })
             .count()
     }
 
-    fn over_share(&self, r: usize) -> bool {
-        self.replicas[r].pins.len() > fair_share(MEMBERS, self.replicas_seen_by(r), SLACK)
+    /// Whether `r`'s standbys hold back (`PinLedger::has_share`).
+    fn has_share(&self, r: usize) -> bool {
+        self.replicas[r].pins.len() >= fair_share(MEMBERS, self.replicas_seen_by(r), SLACK)
     }
 
     fn step(&mut self) {
@@ -149,11 +156,11 @@ impl Model {
         let now = self.now;
         // Pulls: renewed unless holding back.
         for r in self.live() {
-            let over = self.over_share(r);
+            let full = self.has_share(r);
             for m in 0..MEMBERS {
                 let pinned_here = self.holder[m] == Some(r);
                 let instance = &mut self.instances[r][m];
-                let holding_back = now < instance.hold_until || (!pinned_here && over);
+                let holding_back = now < instance.hold_until || (!pinned_here && full);
                 if now >= instance.started && !holding_back {
                     instance.pull_alive_until = now + PULL_EXPIRY;
                 }
@@ -220,7 +227,7 @@ impl Model {
 
     fn balanced(&self) -> bool {
         let share = fair_share(MEMBERS, self.live().len(), SLACK);
-        self.holder.iter().all(Option::is_some) && self.spread().1 <= share
+        self.holder.iter().all(|h| h.is_some_and(|r| self.alive(r))) && self.spread().1 <= share
     }
 
     /// Runs until balanced (then `QUIET_WATCH` longer), measuring from now.
@@ -256,15 +263,14 @@ impl Model {
 
 fn print(scenario: &str, o: &Outcome) {
     let time = o.balanced_after.map_or_else(|| "not within 600 s".to_owned(), |d| format!("{:.1} s", d.as_secs_f64()));
+    let step_downs = if o.fewest == 0 {
+        o.step_downs.to_string()
+    } else {
+        format!("{} ({:.2}× the fewest)", o.step_downs, o.step_downs as f64 / o.fewest as f64)
+    };
     println!(
-        "| {scenario} | {} | {time} | {} ({:.2}× the fewest) | {} | {} | {}–{} |",
-        o.fewest,
-        o.step_downs,
-        o.step_downs as f64 / o.fewest.max(1) as f64,
-        o.moved_twice,
-        o.later_moves,
-        o.spread.0,
-        o.spread.1
+        "| {scenario} | {} | {time} | {step_downs} | {} | {} | {}–{} |",
+        o.fewest, o.moved_twice, o.later_moves, o.spread.0, o.spread.1
     );
 }
 

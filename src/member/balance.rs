@@ -2,7 +2,7 @@
 //! ledger; `rebalance.rs` runs it. Every replica runs
 //! an instance of every webhook member, and a replica holding more than
 //! its fair share of a group's pins (⌈members / replicas⌉ + slack) steps
-//! the excess down; its standbys stop pulling while it is over its share,
+//! the excess down; its standbys stop pulling while it holds its share,
 //! so the freed pins go to replicas under theirs. Every move is an ordinary
 //! pin change: the handover barrier and fencing tokens apply.
 //!
@@ -87,9 +87,10 @@ impl PinLedger {
         });
     }
 
-    /// Whether this replica holds more than its share of the group's pins.
-    pub fn over_share(&self, who: &MemberRef, replicas: usize, slack: usize) -> bool {
-        self.with(who, |pins| pins.pinned.len() > fair_share(pins.served.len(), replicas, slack))
+    /// Whether this replica holds at least its share of the group's pins
+    /// (one more would be a pin to step down again).
+    pub fn has_share(&self, who: &MemberRef, replicas: usize, slack: usize) -> bool {
+        self.with(who, |pins| pins.pinned.len() >= fair_share(pins.served.len(), replicas, slack))
     }
 
     /// Every group with webhook members here, as it stands now.

@@ -1,9 +1,10 @@
 //! Which keygate replicas are alive, and their member instances: each
 //! process renews an entry in the KV bucket `keygate-replicas` holding its
 //! roster (`member/roster.rs`), rewritten soon after every change, and
-//! watches the others' (docs/scale-out.md). An entry not renewed for
-//! [`REPLICA_TTL`] no longer counts, and the bucket's max age removes it
-//! from the server too.
+//! watches the others' (docs/scale-out.md). A replica whose entry is not
+//! renewed within [`RECENT`] no longer counts toward pin shares; one not
+//! renewed for [`REPLICA_TTL`] is forgotten (its instances no longer
+//! listed), and the bucket's max age removes it from the server too.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -23,6 +24,9 @@ pub const REPLICAS_BUCKET: &str = "keygate-replicas";
 pub const REPLICA_TTL: Duration = Duration::from_secs(6);
 /// How often a replica renews its entry.
 const RENEW_EVERY: Duration = Duration::from_secs(2);
+/// A replica heard from within this is counted by [`Replicas::count`]: one
+/// renewal, and a second of lateness.
+pub const RECENT: Duration = Duration::from_secs(3);
 /// Changes of the roster wait this long, so a burst is written once.
 const CHANGE_DEBOUNCE: Duration = Duration::from_millis(50);
 
@@ -76,10 +80,17 @@ impl Replicas {
         self.own.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// How many replicas are alive (at least this one).
+    /// How many replicas are alive and on time: their last renewal at most
+    /// [`RECENT`] ago (at least this one). A replica that died drops out of
+    /// this count before its pins lapse at the server, so standbys that hold
+    /// back while their replica has its share pull again in time to take
+    /// those pins, and the others do not step down what they took for a
+    /// share that counts the dead one. A replica late with its renewal makes
+    /// the share larger for a moment: fewer moves, never fewer takers.
     pub fn count(&self) -> usize {
         let own = self.own().map(|own| own.tag);
-        let others = self.seen().keys().filter(|tag| Some(*tag) != own.as_ref()).count();
+        let others =
+            self.seen().iter().filter(|(tag, seen)| Some(*tag) != own.as_ref() && seen.at.elapsed() < RECENT).count();
         others + 1
     }
 

@@ -68,7 +68,12 @@ impl Session {
 
     /// Whether this instance should leave the next pin to others: it
     /// stepped down a moment ago, or it stands by on a replica that already
-    /// holds more than its share of the group's pins.
+    /// holds its share of the group's pins. Stopping at the share, not above
+    /// it, is what sends a stepped-down pin to the replica that lacks pins
+    /// rather than to one that would step it down again (the balance model,
+    /// benches/balance_model.rs, measures both). The share counts only
+    /// replicas heard from recently (`Replicas::count`), so a dead replica's
+    /// pins find takers before they lapse.
     pub(super) fn holding_back(&self) -> bool {
         if self.hold_pulls_until.is_some_and(|until| Instant::now() < until) {
             return true;
@@ -76,7 +81,7 @@ impl Session {
         let ctx = self.ctx();
         self.balanced
             && !self.pin.is_pinned()
-            && ctx.pins.over_share(self.who(), ctx.replicas.count(), ctx.balance_slack)
+            && ctx.pins.has_share(self.who(), ctx.replicas.count(), ctx.balance_slack)
     }
 
     /// Tells the roster (and through it the group view) the pin this
