@@ -78,7 +78,7 @@ pub fn pause_key(who: &MemberRef) -> String {
 }
 
 /// Pause flags read at once (a request each).
-const CONCURRENT_READS: usize = 32;
+const CONCURRENT_READS: usize = 128;
 
 /// The pause flags.
 #[derive(Clone)]
