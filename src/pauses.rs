@@ -77,6 +77,12 @@ pub fn pause_key(who: &MemberRef) -> String {
     format!("{}.{}.{}.{}", who.owner.as_str(), who.stream, who.group, who.member)
 }
 
+/// `who`'s pause flag in `store` (a flag that does not parse counts as none).
+async fn read_pause(store: &kv::Store, who: &MemberRef) -> Result<Option<Pause>, Error> {
+    let entry = store.get(pause_key(who)).await.map_err(|e| unavailable_or_internal("reading a pause", e))?;
+    Ok(entry.and_then(|bytes| serde_json::from_slice(&bytes).ok()))
+}
+
 /// Pause flags read at once (a request each).
 const CONCURRENT_READS: usize = 128;
 
@@ -118,8 +124,7 @@ impl Pauses {
     /// Whether `who` is paused, and by whom.
     pub async fn get(&self, who: &MemberRef) -> Result<Option<Pause>, Error> {
         let Some(store) = self.bucket(false).await? else { return Ok(None) };
-        let entry = store.get(pause_key(who)).await.map_err(|e| unavailable_or_internal("reading a pause", e))?;
-        Ok(entry.and_then(|bytes| serde_json::from_slice(&bytes).ok()))
+        read_pause(&store, who).await
     }
 
     /// Whether each of `who` is paused (`None` in, `None` out): one bucket
@@ -130,13 +135,11 @@ impl Pauses {
             Ok(Some(store)) => store,
             Ok(None) | Err(_) => return vec![None; who.len()],
         };
-        let keys: Vec<Option<String>> = who.iter().map(|w| w.as_ref().map(pause_key)).collect();
-        let reads = keys.into_iter().map(|key| {
+        // Each read owns its store and member: with borrows inside, the
+        // handler's future would not be `Send`.
+        let reads = who.iter().cloned().map(|who| {
             let store = store.clone();
-            async move {
-                let bytes = store.get(key?).await.ok().flatten()?;
-                serde_json::from_slice(&bytes).ok()
-            }
+            async move { read_pause(&store, who.as_ref()?).await.ok().flatten() }
         });
         futures::stream::iter(reads).buffered(CONCURRENT_READS).collect().await
     }

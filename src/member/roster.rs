@@ -55,11 +55,15 @@ impl Roster {
             .then(|| (who.stream.to_string(), who.group.to_string(), who.member.to_string(), session))
     }
 
+    fn sessions(&self) -> std::sync::MutexGuard<'_, BTreeMap<SessionKey, InstanceReport>> {
+        self.sessions.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Changes the session's report; `add` records a session not listed yet
     /// (otherwise a session already removed stays removed).
     fn update(&self, who: &MemberRef, session: u64, add: bool, change: impl FnOnce(&mut InstanceReport)) {
         let Some(key) = Self::key(who, session) else { return };
-        let mut sessions = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
+        let mut sessions = self.sessions();
         let report = match sessions.entry(key) {
             std::collections::btree_map::Entry::Occupied(entry) => entry.into_mut(),
             std::collections::btree_map::Entry::Vacant(entry) if add => entry.insert(InstanceReport::default()),
@@ -90,15 +94,13 @@ impl Roster {
 
     pub fn remove(&self, who: &MemberRef, session: u64) {
         let Some(key) = Self::key(who, session) else { return };
-        if self.sessions.lock().unwrap_or_else(|p| p.into_inner()).remove(&key).is_some() {
+        if self.sessions().remove(&key).is_some() {
             self.changed.notify_one();
         }
     }
 
     pub fn entries(&self) -> Vec<RosterEntry> {
-        self.sessions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+        self.sessions()
             .iter()
             .map(|((stream, group, member, session), report)| RosterEntry {
                 stream: stream.clone(),
