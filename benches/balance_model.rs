@@ -13,7 +13,9 @@
 //!   random phases (every member is busy, so a free pin is taken at once);
 //! - each replica compares its pins with its share every 1–2 s (jittered)
 //!   and counts the replicas whose last presence renewal (every 2 s) is
-//!   less than 3 s old, seeing a new one 200 ms after it starts;
+//!   less than 3 s old, seeing a new one 200 ms after it starts; its
+//!   standbys holding back hear of a changed count only then (a pin lost
+//!   on their replica they hear of at once);
 //! - a joining replica's instances start over its first 3 s.
 //!
 //! It reports, for a cold start of 30 replicas, a 30th joining 29 balanced
@@ -50,6 +52,8 @@ struct Replica {
     started: Duration,
     died: Option<Duration>,
     next_balance: Duration,
+    /// The replicas its balancer counted last (what its standbys go by).
+    counted: usize,
     pins: BTreeMap<MemberName, Instant>,
 }
 
@@ -110,7 +114,9 @@ impl Model {
     fn start_replica(&mut self) {
         let started = self.now;
         let next_balance = started + Duration::from_millis(self.rng.random_range(1000..2000));
-        self.replicas.push(Replica { started, died: None, next_balance, pins: BTreeMap::new() });
+        self.replicas.push(Replica { started, died: None, next_balance, counted: 1, pins: BTreeMap::new() });
+        let r = self.replicas.len() - 1;
+        self.replicas[r].counted = self.replicas_seen_by(r);
         let instances = (0..MEMBERS)
             .map(|_| Instance {
                 started: started + Duration::from_millis(self.rng.random_range(0..START_SPREAD_MS)),
@@ -146,20 +152,25 @@ impl Model {
             .count()
     }
 
-    /// Whether `r`'s standbys hold back (`PinLedger::has_share`).
-    fn has_share(&self, r: usize) -> bool {
-        self.replicas[r].pins.len() >= fair_share(MEMBERS, self.replicas_seen_by(r), SLACK)
+    /// Whether `r` holds its share of the pins (`PinLedger::has_share`)
+    /// when it counts `replicas`.
+    fn has_share(&self, r: usize, replicas: usize) -> bool {
+        self.replicas[r].pins.len() >= fair_share(MEMBERS, replicas, SLACK)
     }
 
     fn step(&mut self) {
         self.now += STEP;
         let now = self.now;
-        // Pulls: renewed unless holding back.
+        // Pulls: renewed unless holding back. A pulling standby looks at the
+        // count as it stands; one holding back goes by the count its
+        // balancer last told it (`PinLedger::replicas_changed`).
         for r in self.live() {
-            let full = self.has_share(r);
+            let full_now = self.has_share(r, self.replicas_seen_by(r));
+            let full_told = self.has_share(r, self.replicas[r].counted);
             for m in 0..MEMBERS {
                 let pinned_here = self.holder[m] == Some(r);
                 let instance = &mut self.instances[r][m];
+                let full = if instance.pull_alive_until > now { full_now } else { full_told };
                 let holding_back = now < instance.hold_until || (!pinned_here && full);
                 if now >= instance.started && !holding_back {
                     instance.pull_alive_until = now + PULL_EXPIRY;
@@ -199,7 +210,8 @@ impl Model {
                 continue;
             }
             self.replicas[r].next_balance = now + Duration::from_millis(self.rng.random_range(1000..2000));
-            let share = fair_share(MEMBERS, self.replicas_seen_by(r), SLACK);
+            self.replicas[r].counted = self.replicas_seen_by(r);
+            let share = fair_share(MEMBERS, self.replicas[r].counted, SLACK);
             for member in to_step_down(&self.replicas[r].pins, share, self.clock(), MIN_TENURE) {
                 let m: usize = member.as_str()[1..].parse().unwrap();
                 self.free(m);

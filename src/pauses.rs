@@ -16,6 +16,7 @@ use utoipa::ToSchema;
 
 use crate::error::Error;
 use crate::member_ref::MemberRef;
+use crate::nats::buckets::OpenBuckets;
 use crate::nats::errors::unavailable_or_internal;
 
 /// The bucket of pause flags.
@@ -77,10 +78,10 @@ pub fn pause_key(who: &MemberRef) -> String {
     format!("{}.{}.{}.{}", who.owner.as_str(), who.stream, who.group, who.member)
 }
 
-/// `who`'s pause flag in `store` (a flag that does not parse counts as none).
-async fn read_pause(store: &kv::Store, who: &MemberRef) -> Result<Option<Pause>, Error> {
-    let entry = store.get(pause_key(who)).await.map_err(|e| unavailable_or_internal("reading a pause", e))?;
-    Ok(entry.and_then(|bytes| serde_json::from_slice(&bytes).ok()))
+/// A stored flag's pause (a delete marker, or a flag that does not parse,
+/// counts as none).
+fn pause_in(entry: Option<kv::Entry>) -> Option<Pause> {
+    entry.filter(|e| e.operation == kv::Operation::Put).and_then(|e| serde_json::from_slice(&e.value).ok())
 }
 
 /// Pause flags read at once (a request each).
@@ -90,11 +91,13 @@ const CONCURRENT_READS: usize = 128;
 #[derive(Clone)]
 pub struct Pauses {
     js: jetstream::Context,
+    /// The bucket, kept open for reads (src/nats/buckets.rs).
+    open: OpenBuckets,
 }
 
 impl Pauses {
     pub fn new(js: jetstream::Context) -> Self {
-        Self { js }
+        Self { js, open: OpenBuckets::default() }
     }
 
     async fn bucket(&self, create: bool) -> Result<Option<kv::Store>, Error> {
@@ -123,15 +126,13 @@ impl Pauses {
 
     /// Whether `who` is paused, and by whom.
     pub async fn get(&self, who: &MemberRef) -> Result<Option<Pause>, Error> {
-        let Some(store) = self.bucket(false).await? else { return Ok(None) };
-        read_pause(&store, who).await
+        Ok(pause_in(self.open.entry(&self.js, PAUSES_BUCKET, &pause_key(who), "reading a pause").await?))
     }
 
-    /// Whether each of `who` is paused (`None` in, `None` out): one bucket
-    /// lookup, then the flags read concurrently; a flag that cannot be read
-    /// counts as none.
+    /// Whether each of `who` is paused (`None` in, `None` out), the flags
+    /// read concurrently; a flag that cannot be read counts as none.
     pub async fn get_many(&self, who: &[Option<MemberRef>]) -> Vec<Option<Pause>> {
-        let store = match self.bucket(false).await {
+        let store = match self.open.open(&self.js, PAUSES_BUCKET).await {
             Ok(Some(store)) => store,
             Ok(None) | Err(_) => return vec![None; who.len()],
         };
@@ -139,9 +140,18 @@ impl Pauses {
         // handler's future would not be `Send`.
         let reads = who.iter().cloned().map(|who| {
             let store = store.clone();
-            async move { read_pause(&store, who.as_ref()?).await.ok().flatten() }
+            async move {
+                let Some(who) = who else { return Ok(None) };
+                store.entry(pause_key(&who)).await.map(pause_in)
+            }
         });
-        futures::stream::iter(reads).buffered(CONCURRENT_READS).collect().await
+        let read: Vec<Result<Option<Pause>, _>> =
+            futures::stream::iter(reads).buffered(CONCURRENT_READS).collect().await;
+        if read.iter().any(Result::is_err) {
+            // The bucket may be gone: the next view opens it afresh.
+            self.open.forget(PAUSES_BUCKET);
+        }
+        read.into_iter().map(|r| r.ok().flatten()).collect()
     }
 
     /// Pauses `who`; a member already paused keeps its first pause, which

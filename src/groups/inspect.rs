@@ -67,8 +67,7 @@ impl GroupAdmin {
                 Some(MemberRef { stream: stream.clone(), group: group.clone(), member, owner: Owner::Group })
             })
             .collect();
-        let pauses = crate::pauses::Pauses::new(self.js.clone());
-        let (infos, paused) = tokio::join!(infos, pauses.get_many(&members));
+        let (infos, paused) = tokio::join!(infos, self.pauses.get_many(&members));
         for (((member, owned), (consumer, info)), paused) in owners.iter().zip(infos?).zip(paused) {
             let state = match info {
                 Some(info) => {

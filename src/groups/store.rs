@@ -12,7 +12,9 @@ use super::spec::{GroupConfig, GroupKind, GroupSpec, Ordering};
 use super::view::GroupSummary;
 use crate::error::Error;
 use crate::names::{GroupName, StreamName};
+use crate::nats::buckets::OpenBuckets;
 use crate::nats::errors::{is_not_found, stream_read_error, unavailable_or_internal};
+use crate::pauses::Pauses;
 
 /// keygate's own bucket for per-group settings pcgroups does not store
 /// (a Go read-modify-write of the pcgroups value would drop them).
@@ -69,12 +71,15 @@ pub struct StoredGroup {
 #[derive(Clone)]
 pub struct GroupAdmin {
     pub(super) js: jetstream::Context,
+    /// The buckets reads go to, kept open (src/nats/buckets.rs).
+    open: OpenBuckets,
+    pub(super) pauses: Pauses,
 }
 
 impl GroupAdmin {
     /// Administration through `js`.
     pub fn new(js: jetstream::Context) -> Self {
-        Self { js }
+        Self { pauses: Pauses::new(js.clone()), js, open: OpenBuckets::default() }
     }
 
     pub(super) async fn bucket(&self, name: &str) -> Result<Option<kv::Store>, Error> {
@@ -118,10 +123,9 @@ impl GroupAdmin {
             GroupKind::Static => STATIC_BUCKET,
             GroupKind::Elastic => ELASTIC_BUCKET,
         };
-        let Some(store) = self.bucket(bucket).await? else { return Ok(None) };
-        let entry =
-            store.entry(config_key(stream, group)).await.map_err(|e| unavailable_or_internal("reading group", e))?;
-        let Some(entry) = entry else { return Ok(None) };
+        let Some(entry) = self.open.entry(&self.js, bucket, &config_key(stream, group), "reading group").await? else {
+            return Ok(None);
+        };
         // A delete or purge marker means the group is gone (pcgroups misses purges).
         if entry.operation != kv::Operation::Put {
             return Ok(None);
@@ -143,12 +147,9 @@ impl GroupAdmin {
         kind: Option<GroupKind>,
     ) -> Result<StoredGroup, Error> {
         let kinds: Vec<GroupKind> = kind.map_or_else(|| vec![GroupKind::Static, GroupKind::Elastic], |k| vec![k]);
-        let mut found = Vec::new();
-        for k in kinds {
-            if let Some(g) = self.read(k, stream.as_str(), group.as_str()).await? {
-                found.push(g);
-            }
-        }
+        // Both buckets at once: a name is looked up in each unless the kind is given.
+        let reads = kinds.into_iter().map(|k| self.read(k, stream.as_str(), group.as_str()));
+        let mut found: Vec<StoredGroup> = futures::future::try_join_all(reads).await?.into_iter().flatten().collect();
         match found.len() {
             0 => Err(Error::NotFound(format!("group {group} not found on stream {stream}"))),
             1 => Ok(found.remove(0)),
@@ -160,11 +161,10 @@ impl GroupAdmin {
 
     /// keygate's settings of a group (defaults when none are stored).
     pub async fn settings(&self, stream: &StreamName, group: &GroupName) -> Result<GroupSettings, Error> {
-        let Some(store) = self.bucket(SETTINGS_BUCKET).await? else { return Ok(GroupSettings::default()) };
-        let value = store
-            .get(config_key(stream.as_str(), group.as_str()))
-            .await
-            .map_err(|e| unavailable_or_internal("reading group settings", e))?;
+        let key = config_key(stream.as_str(), group.as_str());
+        let entry = self.open.entry(&self.js, SETTINGS_BUCKET, &key, "reading group settings").await?;
+        // A delete marker reads as no settings, as `get` would have it.
+        let value = entry.filter(|e| e.operation == kv::Operation::Put).map(|e| e.value);
         Ok(value.and_then(|v| serde_json::from_slice(&v).ok()).unwrap_or_default())
     }
 

@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::member_ref::MemberRef;
@@ -51,12 +52,21 @@ pub struct PinLedger {
     groups: Mutex<BTreeMap<(StreamName, GroupName), GroupPins>>,
 }
 
-#[derive(Default)]
 struct GroupPins {
     /// Members with a webhook instance here (every replica runs one each).
     served: BTreeMap<MemberName, usize>,
     /// Members whose pin a webhook instance here holds, since when.
     pinned: BTreeMap<MemberName, Instant>,
+    /// Told when this replica may have room for more of the group's pins
+    /// (one lost here, members served changed, replicas counted changed):
+    /// standbys holding back wait for it instead of looking again and again.
+    room: watch::Sender<()>,
+}
+
+impl Default for GroupPins {
+    fn default() -> Self {
+        Self { served: BTreeMap::new(), pinned: BTreeMap::new(), room: watch::Sender::new(()) }
+    }
 }
 
 impl PinLedger {
@@ -65,7 +75,8 @@ impl PinLedger {
         let key = (who.stream.clone(), who.group.clone());
         let pins = groups.entry(key.clone()).or_default();
         let answer = f(pins);
-        if pins.served.is_empty() && pins.pinned.is_empty() {
+        // Kept while a standby still waits on its signal.
+        if pins.served.is_empty() && pins.pinned.is_empty() && pins.room.receiver_count() == 0 {
             groups.remove(&key);
         }
         answer
@@ -73,7 +84,10 @@ impl PinLedger {
 
     /// A webhook instance of `who` runs here while the guard lives.
     pub fn serve(self: &Arc<Self>, who: &MemberRef) -> Served {
-        self.with(who, |pins| *pins.served.entry(who.member.clone()).or_default() += 1);
+        self.with(who, |pins| {
+            *pins.served.entry(who.member.clone()).or_default() += 1;
+            pins.room.send_replace(());
+        });
         Served { ledger: self.clone(), who: who.clone() }
     }
 
@@ -81,10 +95,24 @@ impl PinLedger {
         self.with(who, |pins| {
             if pinned {
                 pins.pinned.entry(who.member.clone()).or_insert_with(Instant::now);
-            } else {
-                pins.pinned.remove(&who.member);
+            } else if pins.pinned.remove(&who.member).is_some() {
+                pins.room.send_replace(());
             }
         });
+    }
+
+    /// What tells `who`'s group's standbys here that the replica may have
+    /// room for another pin ([`has_share`](Self::has_share) may have turned false).
+    pub fn room(&self, who: &MemberRef) -> watch::Receiver<()> {
+        self.with(who, |pins| pins.room.subscribe())
+    }
+
+    /// The replicas counted changed: every group's share did.
+    pub fn replicas_changed(&self) {
+        let groups = self.groups.lock().unwrap_or_else(|p| p.into_inner());
+        for pins in groups.values() {
+            pins.room.send_replace(());
+        }
     }
 
     /// Whether this replica holds at least its share of the group's pins
@@ -133,6 +161,7 @@ impl Drop for Served {
                 if *count == 0 {
                     pins.served.remove(&member);
                     pins.pinned.remove(&member);
+                    pins.room.send_replace(());
                 }
             }
         });

@@ -19,6 +19,7 @@ const BALANCE_EVERY: Duration = Duration::from_secs(1);
 
 /// Steps down this replica's excess pins until `cancel`.
 pub async fn run_balancer(ctx: Arc<InstanceContext>, slack: usize, cancel: CancellationToken) {
+    let mut counted = ctx.replicas.count();
     loop {
         let wait = BALANCE_EVERY + Duration::from_millis(rand::random::<u64>() % 1000);
         tokio::select! {
@@ -26,6 +27,11 @@ pub async fn run_balancer(ctx: Arc<InstanceContext>, slack: usize, cancel: Cance
             () = cancel.cancelled() => return,
         }
         let replicas = ctx.replicas.count();
+        if replicas != counted {
+            // Standbys holding back while their replica had its share look again.
+            counted = replicas;
+            ctx.pins.replicas_changed();
+        }
         let mut moves = 0;
         for GroupShare { stream, group, served, pinned } in ctx.pins.snapshot() {
             let share = fair_share(served, replicas, slack);

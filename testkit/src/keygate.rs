@@ -119,6 +119,22 @@ impl KeygateProcess {
         .await;
     }
 
+    /// PUTs `body` at `path` until it is stored (200 or 201), retrying 503s
+    /// for up to 30 s: a cluster that has just formed may refuse the first
+    /// placements, and keygate's buckets may still be electing leaders. Any
+    /// other answer fails the test, with the problem it came with.
+    pub async fn put_until_stored(&self, http: &reqwest::Client, path: &str, body: &serde_json::Value) -> u16 {
+        let url = format!("{}{path}", self.base);
+        eventually(Duration::from_secs(30), || async {
+            let answer = http.put(&url).json(body).send().await.ok()?;
+            let status = answer.status().as_u16();
+            let problem = answer.text().await.unwrap_or_default();
+            assert!(matches!(status, 200 | 201 | 503), "PUT {path} answered {status}: {problem}");
+            (status != 503).then_some(status)
+        })
+        .await
+    }
+
     /// A metric's value in this keygate's `/metrics` (summed over labels).
     pub async fn metric(&self, http: &reqwest::Client, name: &str) -> f64 {
         metric_at(http, &self.base, name).await

@@ -173,27 +173,21 @@ async fn groups_keep_being_served_while_leader_nodes_are_killed_and_restarted() 
         r.wait_ready(&http).await;
     }
     let bases: Vec<String> = replicas.iter().map(|r| r.base.clone()).collect();
-    let put = |path: &str, body: Value| http.put(format!("{}{path}", bases[0])).json(&body).send();
-    let created = async |r: reqwest::Response| {
-        let status = r.status();
-        let answered = r.text().await.unwrap_or_default();
-        assert_eq!(status, 201, "{answered}");
-    };
-    created(put("/v1/streams/ORDERS", json!({"subjects":["orders.*"],"partitions":8,"replicas":3})).await.unwrap())
-        .await;
-    created(put("/v1/streams/EV", json!({"subjects":["ev.*"],"replicas":3})).await.unwrap()).await;
+    let first = &replicas[0];
+    let created = async |path: &str, body: Value| first.put_until_stored(&http, path, &body).await;
+    created("/v1/streams/ORDERS", json!({"subjects":["orders.*"],"partitions":8,"replicas":3})).await;
+    created("/v1/streams/EV", json!({"subjects":["ev.*"],"replicas":3})).await;
     let static_group = json!({"kind":"static","partitions":8,"members":["s1","s2"],"ack_wait_ms":2000});
-    created(put("/v1/streams/ORDERS/groups/st", static_group).await.unwrap()).await;
+    created("/v1/streams/ORDERS/groups/st", static_group).await;
     let elastic_group = json!({"kind":"elastic","partitions":8,"members":["e1","e2"],"ack_wait_ms":2000,
         "partitioning_filters":[{"filter":"ev.*","wildcards":[1]}]});
-    created(put("/v1/streams/EV/groups/el", elastic_group).await.unwrap()).await;
+    created("/v1/streams/EV/groups/el", elastic_group).await;
     let receiver = Receiver::start(|_, _| Answer::ok()).await;
     for (stream, group, member) in
         [("ORDERS", "st", "s1"), ("ORDERS", "st", "s2"), ("EV", "el", "e1"), ("EV", "el", "e2")]
     {
         let hook = json!({"url": receiver.url(&format!("/{group}/{member}"))});
-        created(put(&format!("/v1/streams/{stream}/groups/{group}/members/{member}/webhook"), hook).await.unwrap())
-            .await;
+        created(&format!("/v1/streams/{stream}/groups/{group}/members/{member}/webhook"), hook).await;
     }
     // Everything keygate created for R3 streams is R3, its own state too.
     let client = async_nats::connect(cluster.addrs()).await.unwrap();

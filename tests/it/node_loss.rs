@@ -211,40 +211,16 @@ async fn one_run(run: usize) {
     for r in &replicas {
         r.wait_ready(&http).await;
     }
-    let base = replicas[0].base.clone();
-    let put = |path: &str, body: Value| http.put(format!("{base}{path}")).json(&body).send();
-    for (path, body) in [
-        ("/v1/streams/ORD", json!({"subjects":["ord.*"],"partitions":PARTITIONS,"replicas":3})),
-        (
-            "/v1/streams/ORD/groups/g",
-            json!({"kind":"static","partitions":PARTITIONS,"members":["m1","m2"],"ack_wait_ms":2000}),
-        ),
-    ] {
-        // A cluster that has just formed may refuse the first placements.
-        eventually(Duration::from_secs(30), || {
-            let body = body.clone();
-            async move {
-                let status = put(path, body).await.ok()?.status().as_u16();
-                assert!(matches!(status, 200 | 201 | 503), "{path} answered {status}");
-                matches!(status, 200 | 201).then_some(())
-            }
-        })
+    let first = &replicas[0];
+    first
+        .put_until_stored(&http, "/v1/streams/ORD", &json!({"subjects":["ord.*"],"partitions":PARTITIONS,"replicas":3}))
         .await;
-    }
+    let group = json!({"kind":"static","partitions":PARTITIONS,"members":["m1","m2"],"ack_wait_ms":2000});
+    first.put_until_stored(&http, "/v1/streams/ORD/groups/g", &group).await;
     let receiver = Receiver::start(|_, _| Answer::ok()).await;
     for member in ["m1", "m2"] {
         let hook = json!({"url": receiver.url(&format!("/{member}"))});
-        let path = format!("/v1/streams/ORD/groups/g/members/{member}/webhook");
-        // keygate's bucket may still be electing its leader: a 503, retried.
-        eventually(Duration::from_secs(30), || {
-            let (hook, path) = (hook.clone(), path.clone());
-            async move {
-                let status = put(&path, hook).await.ok()?.status().as_u16();
-                assert!(matches!(status, 200 | 201 | 503), "webhook registration answered {status}");
-                matches!(status, 200 | 201).then_some(())
-            }
-        })
-        .await;
+        first.put_until_stored(&http, &format!("/v1/streams/ORD/groups/g/members/{member}/webhook"), &hook).await;
     }
 
     let alive: Alive = Arc::new(Mutex::new(replicas.iter().map(|r| Some(r.base.clone())).collect()));
@@ -487,13 +463,8 @@ async fn batches_store_each_keys_messages_in_request_order_while_the_leader_is_k
     let keygate = KeygateProcess::start(&cluster.urls(), "keygate-order");
     keygate.wait_ready(&http).await;
     let base = keygate.base.clone();
-    let created = http
-        .put(format!("{base}/v1/streams/BO"))
-        .json(&json!({"subjects":["bo.*"],"partitions":4,"replicas":3}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(created.status(), 201);
+    let stream = json!({"subjects":["bo.*"],"partitions":4,"replicas":3});
+    keygate.put_until_stored(&http, "/v1/streams/BO", &stream).await;
     let stop = Arc::new(AtomicBool::new(false));
     // Items stored, items refused, and the slowest batch answer.
     let outcomes: Arc<Mutex<(usize, usize, Duration)>> = Arc::default();

@@ -20,9 +20,10 @@ const MAX_OPEN_PULLS: usize = 3;
 impl Session {
     /// Keeps pulls open: a new one goes out while less than a batch is
     /// still asked for, so the server never waits for the next pull.
-    pub(super) async fn ensure_pull(&mut self) {
+    /// Returns whether this instance holds back (it pulls nothing now).
+    pub(super) async fn ensure_pull(&mut self) -> bool {
         if self.holding_back() {
-            return;
+            return true;
         }
         // Hold cap: a partition blocked with many messages behind its head
         // slows intake to one message per pull, which still keeps the pin.
@@ -34,14 +35,14 @@ impl Session {
         loop {
             let enough = if trickle { !self.pulls.is_empty() } else { self.pulls.asked() >= MAX_PULL_BATCH };
             if enough || self.pulls.len() >= MAX_OPEN_PULLS {
-                return;
+                return false;
             }
             let room = if trickle { 1 } else { MAX_PULL_BATCH };
             let expiry = grid_expiry(pull_expiry(self.joined.ack_wait), Instant::now());
             let request = PullRequest::new(room, expiry, self.pin.id());
             let nats = self.shared.ctx.nats.clone();
             if !self.pulls.send(&nats, &self.joined.stream_name, &self.joined.consumer, &request).await {
-                return;
+                return false;
             }
         }
     }

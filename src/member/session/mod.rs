@@ -49,6 +49,10 @@ pub(super) const PIN_CHECK: Duration = Duration::from_millis(250);
 pub(super) const BARRIER_CHECK: Duration = Duration::from_millis(20);
 /// A deadline far enough away to mean "not before something else happens".
 const NOT_SOON: Duration = Duration::from_secs(3600);
+/// How often a standby holding back because its replica has its share
+/// looks again without being told there may be room (the ledger tells it
+/// at once: member/balance.rs).
+const ROOM_RECHECK: Duration = Duration::from_secs(5);
 
 /// Why a session ended.
 pub enum SessionEnd {
@@ -196,17 +200,27 @@ impl Session {
         let progress_every = (self.joined.ack_wait / 3).max(Duration::from_millis(100));
         let mut progress_at: Option<Instant> = None;
         let wake = self.shared.wake.clone();
+        let mut room = self.balanced.then(|| self.ctx().pins.room(self.who()));
         self.report_pin();
         let end = loop {
             if self.shared.gone.load(Ordering::Relaxed) {
                 break SessionEnd::Gone;
             }
             self.dispatch();
-            Box::pin(self.ensure_pull()).await;
+            // Marked seen before the share is looked at: a change after it wakes the select.
+            if let Some(room) = &mut room {
+                room.borrow_and_update();
+            }
+            let held_back = Box::pin(self.ensure_pull()).await;
             let now = Instant::now();
-            // No pull open (holding back, or the last one could not be sent):
-            // look again soon.
-            let pull_deadline = self.pulls.next_deadline().unwrap_or(now + PIN_CHECK);
+            let pull_deadline = match self.pulls.next_deadline() {
+                Some(deadline) => deadline,
+                // Until the hold after a step-down ends, or the replica may
+                // have room for this pin (told, or looked at now and then).
+                None if held_back => self.hold_pulls_until.filter(|until| *until > now).unwrap_or(now + ROOM_RECHECK),
+                // The last pull could not be sent: try again soon.
+                None => now + PIN_CHECK,
+            };
             let (barrier_up, busy) = {
                 let state = self.shared.lock();
                 (self.pin.is_pinned() && state.lanes.barrier(), state.lanes.lane_count() > 0)
@@ -223,6 +237,7 @@ impl Session {
                     }
                 }
                 () = wake.notified() => {}
+                () = room_made(&mut room), if held_back => {}
                 () = tokio::time::sleep_until(progress_at.unwrap_or(now).into()), if progress_at.is_some() => {
                     progress_at = Some(Instant::now() + progress_every);
                     Box::pin(self.progress()).await;
@@ -405,5 +420,15 @@ impl Session {
             self.ctx().events.emit(Event::member_unpinned(self.ctx().about(self.who()), why));
         }
         let _ = tokio::time::timeout(Duration::from_secs(2), self.ctx().nats.flush()).await;
+    }
+}
+
+/// Resolves when the pin ledger says this replica may have room for
+/// another of the group's pins; never once the ledger is gone.
+async fn room_made(room: &mut Option<tokio::sync::watch::Receiver<()>>) {
+    let Some(receiver) = room else { return std::future::pending().await };
+    if receiver.changed().await.is_err() {
+        *room = None;
+        std::future::pending::<()>().await;
     }
 }
