@@ -6,16 +6,17 @@
 //! - every replica runs an instance of every member; an instance keeps a
 //!   pull waiting at the server (renewed every 2.5 s, the pull expiry of a
 //!   5 s ack wait) unless it holds back: for 10 s after stepping down, or
-//!   while its replica holds its share of the group's pins;
+//!   while its replica holds its share of the group's pins. One holding
+//!   back for the share looks again only when its replica's ledger tells
+//!   it there may be room (a pin lost there, or the count of replicas
+//!   changed at the replica's last comparison) or 5 s later;
 //! - a pin set free (stepped down, or its holder's replica dead for the
 //!   pin TTL, 5 s) goes to a random waiting pull of a live instance, the
 //!   server taking waiting pulls in arrival order and pulls arriving at
 //!   random phases (every member is busy, so a free pin is taken at once);
 //! - each replica compares its pins with its share every 1–2 s (jittered)
 //!   and counts the replicas whose last presence renewal (every 2 s) is
-//!   less than 3 s old, seeing a new one 200 ms after it starts; its
-//!   standbys holding back hear of a changed count only then (a pin lost
-//!   on their replica they hear of at once);
+//!   less than 3 s old, seeing a new one 200 ms after it starts;
 //! - a joining replica's instances start over its first 3 s.
 //!
 //! It reports, for a cold start of 30 replicas, a 30th joining 29 balanced
@@ -28,7 +29,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use keygate::member::balance::{fair_share, to_step_down, MIN_TENURE, STEP_DOWN_HOLD};
+use keygate::member::balance::{fair_share, to_step_down, MIN_TENURE, ROOM_RECHECK, STEP_DOWN_HOLD};
 use keygate::member::replicas::RECENT;
 use keygate::names::MemberName;
 use rand::rngs::StdRng;
@@ -52,8 +53,10 @@ struct Replica {
     started: Duration,
     died: Option<Duration>,
     next_balance: Duration,
-    /// The replicas its balancer counted last (what its standbys go by).
+    /// The replicas its balancer counted last.
     counted: usize,
+    /// Its ledger told its standbys there may be room (`PinLedger::room`).
+    room_told: bool,
     pins: BTreeMap<MemberName, Instant>,
 }
 
@@ -62,6 +65,8 @@ struct Instance {
     started: Duration,
     hold_until: Duration,
     pull_alive_until: Duration,
+    /// Holding back, it looks again then (or when told).
+    next_look: Duration,
 }
 
 struct Model {
@@ -114,7 +119,14 @@ impl Model {
     fn start_replica(&mut self) {
         let started = self.now;
         let next_balance = started + Duration::from_millis(self.rng.random_range(1000..2000));
-        self.replicas.push(Replica { started, died: None, next_balance, counted: 1, pins: BTreeMap::new() });
+        self.replicas.push(Replica {
+            started,
+            died: None,
+            next_balance,
+            counted: 1,
+            room_told: false,
+            pins: BTreeMap::new(),
+        });
         let r = self.replicas.len() - 1;
         self.replicas[r].counted = self.replicas_seen_by(r);
         let instances = (0..MEMBERS)
@@ -153,7 +165,7 @@ impl Model {
     }
 
     /// Whether `r` holds its share of the pins (`PinLedger::has_share`)
-    /// when it counts `replicas`.
+    /// counting `replicas`.
     fn has_share(&self, r: usize, replicas: usize) -> bool {
         self.replicas[r].pins.len() >= fair_share(MEMBERS, replicas, SLACK)
     }
@@ -161,18 +173,23 @@ impl Model {
     fn step(&mut self) {
         self.now += STEP;
         let now = self.now;
-        // Pulls: renewed unless holding back. A pulling standby looks at the
-        // count as it stands; one holding back goes by the count its
-        // balancer last told it (`PinLedger::replicas_changed`).
+        // Pulls: renewed unless holding back; one holding back sleeps until
+        // its hold ends, its replica's ledger tells it, or it looks again.
         for r in self.live() {
-            let full_now = self.has_share(r, self.replicas_seen_by(r));
-            let full_told = self.has_share(r, self.replicas[r].counted);
+            let full = self.has_share(r, self.replicas_seen_by(r));
+            let told = std::mem::take(&mut self.replicas[r].room_told);
             for m in 0..MEMBERS {
                 let pinned_here = self.holder[m] == Some(r);
                 let instance = &mut self.instances[r][m];
-                let full = if instance.pull_alive_until > now { full_now } else { full_told };
-                let holding_back = now < instance.hold_until || (!pinned_here && full);
-                if now >= instance.started && !holding_back {
+                let pulling = instance.pull_alive_until > now;
+                if now < instance.started || (!pulling && !told && now < instance.next_look) {
+                    continue;
+                }
+                if now < instance.hold_until {
+                    instance.next_look = instance.hold_until;
+                } else if !pinned_here && full {
+                    instance.next_look = now + ROOM_RECHECK;
+                } else {
                     instance.pull_alive_until = now + PULL_EXPIRY;
                 }
             }
@@ -210,8 +227,12 @@ impl Model {
                 continue;
             }
             self.replicas[r].next_balance = now + Duration::from_millis(self.rng.random_range(1000..2000));
-            self.replicas[r].counted = self.replicas_seen_by(r);
-            let share = fair_share(MEMBERS, self.replicas[r].counted, SLACK);
+            let counted = self.replicas_seen_by(r);
+            if counted != self.replicas[r].counted {
+                self.replicas[r].counted = counted;
+                self.replicas[r].room_told = true;
+            }
+            let share = fair_share(MEMBERS, counted, SLACK);
             for member in to_step_down(&self.replicas[r].pins, share, self.clock(), MIN_TENURE) {
                 let m: usize = member.as_str()[1..].parse().unwrap();
                 self.free(m);
@@ -227,6 +248,7 @@ impl Model {
     fn free(&mut self, m: usize) {
         if let Some(r) = self.holder[m].take() {
             self.replicas[r].pins.remove(&self.names[m]);
+            self.replicas[r].room_told = true;
             self.freed_at[m] = Some(self.now);
         }
     }

@@ -145,6 +145,7 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
             nats.clone(),
             &[crate::member::control::CONTROL_PREFIX],
         ),
+        outbox: crate::nats::outbox::Outbox::start(nats.clone()),
         configs: Default::default(),
         pins: Default::default(),
         replicas: Default::default(),

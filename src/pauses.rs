@@ -4,6 +4,7 @@
 //! pin, so no standby takes over; its backlog waits in NATS until it is
 //! resumed. docs/operations.md describes the routes.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use async_nats::jetstream::{self, kv};
@@ -86,6 +87,9 @@ fn pause_in(entry: Option<kv::Entry>) -> Option<Pause> {
 
 /// Pause flags read at once (a request each).
 const CONCURRENT_READS: usize = 128;
+/// How long a batched read of a group's flags may take before they are
+/// read one by one instead.
+const BATCH_READ_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The pause flags.
 #[derive(Clone)]
@@ -136,6 +140,9 @@ impl Pauses {
             Ok(Some(store)) => store,
             Ok(None) | Err(_) => return vec![None; who.len()],
         };
+        if let Some(flags) = self.flags_alike(&store, who).await {
+            return who.iter().map(|w| w.as_ref().and_then(|w| flags.get(&pause_key(w)).cloned())).collect();
+        }
         // Each read owns its store and member: with borrows inside, the
         // handler's future would not be `Send`.
         let reads = who.iter().cloned().map(|who| {
@@ -152,6 +159,55 @@ impl Pauses {
             self.open.forget(PAUSES_BUCKET);
         }
         read.into_iter().map(|r| r.ok().flatten()).collect()
+    }
+
+    /// The flags of all of `who` in one read when they share owner, stream
+    /// and group (a group's members): the last value of every key under
+    /// that prefix, by one batched direct get (`multi_last`, nats-server
+    /// 2.11+) instead of a request per member. `None` when that read cannot
+    /// tell (over 1,024 flags, a bucket without direct gets, no answer in
+    /// time, anything unexpected): the flags are then read one by one.
+    async fn flags_alike(&self, store: &kv::Store, who: &[Option<MemberRef>]) -> Option<HashMap<String, Pause>> {
+        let first = who.iter().flatten().next()?;
+        let alike = |w: &MemberRef| w.owner == first.owner && w.stream == first.stream && w.group == first.group;
+        if !who.iter().flatten().all(alike) {
+            return None;
+        }
+        let filter = format!("{}{}.{}.{}.*", store.prefix, first.owner.as_str(), first.stream, first.group);
+        let client = self.js.client();
+        let inbox = client.new_inbox();
+        let mut answers = client.subscribe(inbox.clone()).await.ok()?;
+        let request = serde_json::to_vec(&serde_json::json!({ "multi_last": [filter] })).ok()?;
+        let subject = format!("$JS.API.DIRECT.GET.{}", store.stream_name);
+        client.publish_with_reply(subject, inbox, request.into()).await.ok()?;
+        let read = async {
+            let mut flags = HashMap::new();
+            while let Some(answer) = answers.next().await {
+                match answer.status.map(|s| s.as_u16()) {
+                    None | Some(200) => {
+                        let headers = answer.headers.as_ref()?;
+                        let key = headers.get("Nats-Subject")?.as_str().strip_prefix(store.prefix.as_str())?;
+                        let deleted =
+                            headers.get("KV-Operation").is_some_and(|op| matches!(op.as_str(), "DEL" | "PURGE"))
+                                || headers.get("Nats-Marker-Reason").is_some();
+                        // A flag that does not parse counts as none, as one read alone.
+                        if let (false, Ok(pause)) = (deleted, serde_json::from_slice::<Pause>(&answer.payload)) {
+                            flags.insert(key.to_owned(), pause);
+                        }
+                    }
+                    // The end of the batch, all of it sent.
+                    Some(204) => {
+                        let pending = answer.headers.as_ref().and_then(|h| h.get("Nats-Num-Pending"));
+                        return pending.is_none_or(|n| n.as_str() == "0").then_some(flags);
+                    }
+                    // No flag under the prefix.
+                    Some(404) if answer.description.as_deref() == Some("No Results") => return Some(flags),
+                    _ => return None,
+                }
+            }
+            None
+        };
+        tokio::time::timeout(BATCH_READ_WAIT, read).await.ok().flatten()
     }
 
     /// Pauses `who`; a member already paused keeps its first pause, which

@@ -204,7 +204,7 @@ async fn serve_once(
                 min_pending: options.min_pending,
                 min_ack_pending: options.min_ack_pending,
             };
-            if !pulls.send(&ctx.nats, target.stream.as_str(), target.consumer.as_str(), &request).await {
+            if !pulls.send(&ctx.outbox, target.stream.as_str(), target.consumer.as_str(), &request).await {
                 break;
             }
         }

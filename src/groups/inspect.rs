@@ -3,8 +3,12 @@
 
 use std::collections::BTreeMap;
 
+use async_nats::jetstream::consumer::Info;
+use async_nats::jetstream::context::{RequestError, RequestErrorKind};
+use async_nats::jetstream::response::Response;
 use async_nats::jetstream::{self};
 use futures::{StreamExt as _, TryStreamExt as _};
+use serde::Deserialize;
 
 use super::config::{elastic_stream_name, ownership, MemberMapping, PRIORITY_GROUP};
 use super::spec::{consumer_of, GroupConfig, GroupKind, PartitioningFilterSpec};
@@ -52,14 +56,18 @@ impl GroupAdmin {
         let mut backlogs: BTreeMap<String, u64> = BTreeMap::new();
         // Asked all at once (in order), with the pause flags beside them: a
         // hundred members cost one round trip, not a hundred.
-        let consumers: Vec<(String, String)> =
-            owners.iter().map(|(member, _)| consumer_of(config, stream.as_str(), group.as_str(), member)).collect();
-        let infos = futures::stream::iter(consumers)
-            .map(|(stream_name, consumer)| async move {
-                self.consumer_info(&stream_name, &consumer).await.map(|info| (consumer, info))
-            })
-            .buffered(CONCURRENT_REQUESTS)
-            .try_collect::<Vec<_>>();
+        // Every member's consumer is on one stream: the group's own (static)
+        // or its work queue (elastic).
+        let consumers: Vec<String> =
+            owners.iter().map(|(member, _)| consumer_of(config, stream.as_str(), group.as_str(), member).1).collect();
+        let consumers_stream = match config {
+            GroupConfig::Static(_) => stream.to_string(),
+            GroupConfig::Elastic(_) => elastic_stream_name(stream.as_str(), group.as_str()),
+        };
+        let infos = async {
+            let infos = self.consumer_infos(&consumers_stream, &consumers).await?;
+            Ok::<_, Error>(consumers.iter().cloned().zip(infos).collect::<Vec<_>>())
+        };
         let members: Vec<Option<MemberRef>> = owners
             .iter()
             .map(|(member, _)| {
@@ -188,6 +196,60 @@ impl GroupAdmin {
         Ok((view, counted_from))
     }
 
+    /// The infos of `consumers` of `stream`, in order (`None`: no such
+    /// consumer). One request lists up to 256 consumers with their infos,
+    /// several times cheaper at the server than as many info requests, so a
+    /// stream with at most [`LISTED_CONSUMERS`] is read from its list, its
+    /// pages at once; a consumer the list does not hold (created since, or
+    /// its leader did not answer in a cluster) is asked for on its own.
+    async fn consumer_infos(&self, stream: &str, consumers: &[String]) -> Result<Vec<Option<Info>>, Error> {
+        let mut listed: BTreeMap<String, Info> = BTreeMap::new();
+        match self.consumer_page(stream, 0).await {
+            Ok(first) => {
+                let total = first.total;
+                listed.extend(first.consumers.into_iter().flatten().map(|info| (info.name.clone(), info)));
+                // The rest at once, a page apart (the server's page size).
+                let per_page = listed.len();
+                if per_page > 0 && total > per_page && total <= LISTED_CONSUMERS {
+                    let pages = (per_page..total).step_by(per_page).map(|offset| self.consumer_page(stream, offset));
+                    for page in futures::future::join_all(pages).await.into_iter().flatten() {
+                        listed.extend(page.consumers.into_iter().flatten().map(|info| (info.name.clone(), info)));
+                    }
+                }
+            }
+            // No stream (an elastic group's work queue before its first member): no consumers.
+            Err(e) if is_not_found(&e) => return Ok(vec![None; consumers.len()]),
+            // Asked one by one below, which says what is wrong.
+            Err(e) => tracing::debug!(error = %e, stream, "listing consumers"),
+        }
+        // Each request owns its names: with borrows inside, the handler's
+        // future would not be `Send`.
+        let asked: Vec<(String, Option<Info>)> =
+            consumers.iter().map(|consumer| (consumer.clone(), listed.remove(consumer))).collect();
+        let infos = futures::stream::iter(asked)
+            .map(|(consumer, listed)| {
+                let stream = stream.to_owned();
+                async move {
+                    match listed {
+                        Some(info) => Ok(Some(info)),
+                        None => self.consumer_info(&stream, &consumer).await,
+                    }
+                }
+            })
+            .buffered(CONCURRENT_REQUESTS);
+        infos.try_collect().await
+    }
+
+    /// One page of `stream`'s consumer list, from `offset`.
+    async fn consumer_page(&self, stream: &str, offset: usize) -> Result<ConsumerPage, RequestError> {
+        let answer: Response<ConsumerPage> =
+            self.js.request(format!("CONSUMER.LIST.{stream}"), &serde_json::json!({ "offset": offset })).await?;
+        match answer {
+            Response::Ok(page) => Ok(page),
+            Response::Err { error } => Err(RequestError::with_source(RequestErrorKind::Other, error)),
+        }
+    }
+
     async fn consumer_info(&self, stream: &str, consumer: &str) -> Result<Option<jetstream::consumer::Info>, Error> {
         let handle = match self.js.get_stream_no_info(stream).await {
             Ok(h) => h,
@@ -199,6 +261,19 @@ impl GroupAdmin {
             Err(e) => Err(unavailable_or_internal("reading consumer", e)),
         }
     }
+}
+
+/// The most consumers a stream may have for a group view to read them from
+/// its list: two pages at once (nats-server answers 256 a page). On a
+/// stream with more, most of what a page brings would be other groups'
+/// consumers.
+const LISTED_CONSUMERS: usize = 512;
+
+/// A page of `$JS.API.CONSUMER.LIST.<stream>`.
+#[derive(Debug, Deserialize)]
+struct ConsumerPage {
+    total: usize,
+    consumers: Option<Vec<Info>>,
 }
 
 /// The partitions whose backlog a member's consumer already tells exactly:

@@ -26,6 +26,11 @@ pub const MIN_TENURE: Duration = Duration::from_secs(2);
 /// the pin goes elsewhere.
 pub const STEP_DOWN_HOLD: Duration = Duration::from_secs(10);
 
+/// How often a standby holding back because its replica has its share
+/// looks again without being told there may be room ([`PinLedger::room`]
+/// tells it at once).
+pub const ROOM_RECHECK: Duration = Duration::from_secs(5);
+
 /// The most pins of a group one replica should hold.
 pub fn fair_share(members: usize, replicas: usize, slack: usize) -> usize {
     members.div_ceil(replicas.max(1)) + slack

@@ -36,6 +36,8 @@ pub struct InstanceContext {
     pub config_watch: ConfigWatch,
     /// Subscriptions shared by the instances of one member (control requests).
     pub subscriptions: SharedSubscriptions,
+    /// Where instances' pull requests are published, to leave together.
+    pub outbox: crate::nats::outbox::Outbox,
     /// The latest configuration of each group, shared by its instances.
     pub configs: Mutex<SharedConfigs>,
     /// Webhook members served and pinned here, for pin balancing.

@@ -10,6 +10,7 @@ use async_nats::{HeaderMap, StatusCode};
 use serde::Serialize;
 
 use crate::groups::config::PRIORITY_GROUP;
+use crate::nats::outbox::Outbox;
 
 /// The header carrying the pin id on a pinned client's messages.
 pub const PIN_HEADER: &str = "Nats-Pin-Id";
@@ -116,17 +117,11 @@ impl OpenPulls {
     /// Sends `request` for `consumer`; false when it could not be sent.
     /// The pull counts as open until its expiry (plus a margin for the
     /// server's answer) unless a reply finishes it first.
-    pub async fn send(
-        &mut self,
-        nats: &async_nats::Client,
-        stream: &str,
-        consumer: &str,
-        request: &PullRequest,
-    ) -> bool {
+    pub async fn send(&mut self, outbox: &Outbox, stream: &str, consumer: &str, request: &PullRequest) -> bool {
         self.sent += 1;
         let reply = format!("{}.{}", self.inbox, self.sent);
         let body = serde_json::to_vec(request).unwrap_or_default();
-        if let Err(e) = nats.publish_with_reply(next_subject(stream, consumer), reply.clone(), body.into()).await {
+        if let Err(e) = outbox.publish_with_reply(next_subject(stream, consumer), reply.clone(), body.into()).await {
             tracing::debug!(error = %e, "sending pull");
             return false;
         }

@@ -393,6 +393,71 @@ async fn group_view_shows_pin_holders_backlog_and_step_down_unpins() {
     assert_eq!(status, 404);
 }
 
+/// The view reads its members' consumers from the stream's consumer list,
+/// a page of 256 at a time: with the group's consumers on a later page, and
+/// with more consumers on the stream than the view lists (512), it tells
+/// the same.
+#[tokio::test]
+async fn the_group_view_finds_its_consumers_among_many_others_on_the_stream() {
+    let app = TestApp::start().await;
+    stamped_stream(&app, 2).await;
+    app.put("/v1/streams/ORDERS/groups/g", json!({"kind":"static","partitions":2,"members":["m1","m2"]})).await;
+    let keys: Vec<Value> = (0..20).map(|i| json!({"key": format!("k{i}")})).collect();
+    let (_, acks) = app.post("/v1/streams/ORDERS/messages/batch", json!({"messages": keys})).await;
+    let on_p0 = acks["results"].as_array().unwrap().iter().filter(|r| r["partition"] == 0).count() as u64;
+    let message = join_like_pcgroups(&app, "g", "m1", vec!["0.>".into()]).await;
+    let pin = message.headers.as_ref().unwrap().get("Nats-Pin-Id").unwrap().as_str().to_owned();
+    let orders = app.js.get_stream("ORDERS").await.unwrap();
+    // Named to sort before the group's `g-…`, so its consumers are listed last.
+    let add_others = async |from: usize, to: usize| {
+        let creates = (from..to).map(|i| {
+            let orders = orders.clone();
+            async move {
+                let config = consumer::pull::Config { durable_name: Some(format!("a{i:04}")), ..Default::default() };
+                orders.create_consumer(config).await.unwrap();
+            }
+        });
+        futures::future::join_all(creates).await;
+    };
+    let expect_members = async |others: usize| {
+        let (status, view) = app.get("/v1/streams/ORDERS/groups/g").await;
+        assert_eq!(status, 200, "{view}");
+        let (m1, m2) = (&view["assignment"][0], &view["assignment"][1]);
+        assert_eq!(
+            (m1["member"].as_str(), m1["consumer_exists"].as_bool()),
+            (Some("m1"), Some(true)),
+            "{others} others"
+        );
+        assert_eq!(m1["pinned_client_id"], pin.as_str(), "{others} others");
+        assert_eq!(m1["num_ack_pending"], 1, "{others} others");
+        assert_eq!(m1["num_pending"], on_p0 - 1, "{others} others");
+        assert_eq!(m2["consumer_exists"], false, "{others} others: m2 never joined");
+        assert_eq!(view["partition_pending"][0]["pending"], on_p0, "{others} others");
+    };
+    expect_members(0).await;
+    add_others(0, 300).await;
+    expect_members(300).await;
+    add_others(300, 700).await;
+    expect_members(700).await;
+}
+
+/// Group reads keep their bucket open: a bucket deleted since is a group
+/// not found, not an error, and one made again is read.
+#[tokio::test]
+async fn a_group_bucket_deleted_and_made_again_is_read_afresh() {
+    let app = TestApp::start().await;
+    stamped_stream(&app, 2).await;
+    let group = json!({"kind":"static","partitions":2,"members":["m1"]});
+    app.put("/v1/streams/ORDERS/groups/g", group.clone()).await;
+    assert_eq!(app.get("/v1/streams/ORDERS/groups/g").await.0, 200);
+    app.js.delete_key_value("static-consumer-groups").await.unwrap();
+    let (status, problem) = app.get("/v1/streams/ORDERS/groups/g").await;
+    assert_eq!(status, 404, "{problem}");
+    let (status, _) = app.put("/v1/streams/ORDERS/groups/g", group).await;
+    assert_eq!(status, 201);
+    assert_eq!(app.get("/v1/streams/ORDERS/groups/g").await.0, 200);
+}
+
 #[tokio::test]
 async fn deleting_a_static_group_removes_only_its_members_consumers() {
     let app = TestApp::start().await;

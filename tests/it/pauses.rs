@@ -154,3 +154,75 @@ async fn a_paused_subscriber_of_a_plain_consumer_stops_and_resumes() {
     delivered(&receiver, &[held]).await;
     assert_eq!(app.post("/v1/streams/JOBS/consumers/nope/subscribers/s1/pause", json!(null)).await.0, 404);
 }
+
+/// The group view reads its members' pause flags in one batched direct get
+/// of the flags under the group's prefix: a resumed member's delete marker
+/// counts as none, and another group's flags stay out.
+#[tokio::test]
+async fn the_group_view_reads_every_members_pause_at_once() {
+    let app = TestApp::start().await;
+    app.create_stream("K", json!({"subjects":["k.*"],"partitions":3})).await;
+    for group in ["g", "g2"] {
+        let spec = json!({"kind":"static","partitions":3,"members":["m1","m2","m3"]});
+        assert_eq!(app.put(&format!("/v1/streams/K/groups/{group}"), spec).await.0, 201);
+    }
+    for (group, member) in [("g", "m1"), ("g", "m3"), ("g2", "m2")] {
+        let path = format!("/v1/streams/K/groups/{group}/members/{member}/pause");
+        assert_eq!(app.post(&path, json!({"reason": format!("{group} {member}")})).await.0, 200);
+    }
+    assert_eq!(app.post("/v1/streams/K/groups/g/members/m3/resume", json!(null)).await.0, 200);
+    let (status, view) = app.get("/v1/streams/K/groups/g").await;
+    assert_eq!(status, 200, "{view}");
+    let reasons: Vec<Value> = (0..3).map(|m| view["assignment"][m]["paused"]["reason"].clone()).collect();
+    assert_eq!(reasons, [json!("g m1"), Value::Null, Value::Null], "{view}");
+}
+
+/// What that read rests on, as nats-server answers it: `multi_last` with a
+/// wildcard sends the last message of every matching key (a delete marker
+/// too, with its `KV-Operation`), each counting down `Nats-Num-Pending`,
+/// then a 204 whose `Nats-Num-Pending` is 0; a prefix with no key answers
+/// 404 "No Results".
+#[tokio::test]
+async fn a_batched_direct_get_sends_each_keys_last_value_then_the_end() {
+    let server = NatsServer::start();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client.clone());
+    let kv = js
+        .create_key_value(async_nats::jetstream::kv::Config { bucket: "flags".into(), ..Default::default() })
+        .await
+        .unwrap();
+    kv.put("a.x.1", "one".into()).await.unwrap();
+    kv.put("a.x.1", "one again".into()).await.unwrap();
+    kv.put("a.x.2", "two".into()).await.unwrap();
+    kv.delete("a.x.2").await.unwrap();
+    kv.put("a.y.1", "elsewhere".into()).await.unwrap();
+    let batch = async |filter: &str| {
+        let inbox = client.new_inbox();
+        let mut answers = client.subscribe(inbox.clone()).await.unwrap();
+        let body = serde_json::to_vec(&json!({"multi_last": [filter]})).unwrap();
+        client.publish_with_reply("$JS.API.DIRECT.GET.KV_flags", inbox, body.into()).await.unwrap();
+        let mut got = Vec::new();
+        while let Some(answer) = tokio::time::timeout(WAIT, answers.next()).await.unwrap() {
+            let header = |name: &str| answer.headers.as_ref().and_then(|h| h.get(name)).map(|v| v.to_string());
+            let status = answer.status.map_or(200, |s| s.as_u16());
+            let payload = String::from_utf8_lossy(&answer.payload).into_owned();
+            got.push((status, header("Nats-Subject"), header("KV-Operation"), header("Nats-Num-Pending"), payload));
+            if status != 200 {
+                return (got, answer.description.clone());
+            }
+        }
+        panic!("the answers ended without a status");
+    };
+    let (got, _) = batch("$KV.flags.a.x.*").await;
+    let some = |s: &str| Some(s.to_owned());
+    assert_eq!(
+        got,
+        vec![
+            (200, some("$KV.flags.a.x.1"), None, some("1"), "one again".to_owned()),
+            (200, some("$KV.flags.a.x.2"), some("DEL"), some("0"), String::new()),
+            (204, None, None, some("0"), String::new()),
+        ]
+    );
+    let (got, description) = batch("$KV.flags.b.*.*").await;
+    assert_eq!((got.len(), got[0].0, description.as_deref()), (1, 404, Some("No Results")));
+}

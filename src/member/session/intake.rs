@@ -40,8 +40,8 @@ impl Session {
             let room = if trickle { 1 } else { MAX_PULL_BATCH };
             let expiry = grid_expiry(pull_expiry(self.joined.ack_wait), Instant::now());
             let request = PullRequest::new(room, expiry, self.pin.id());
-            let nats = self.shared.ctx.nats.clone();
-            if !self.pulls.send(&nats, &self.joined.stream_name, &self.joined.consumer, &request).await {
+            let outbox = self.shared.ctx.outbox.clone();
+            if !self.pulls.send(&outbox, &self.joined.stream_name, &self.joined.consumer, &request).await {
                 return false;
             }
         }

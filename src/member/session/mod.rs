@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 
 use self::keys::KeyLocator;
 use self::lane::{run_worker, unblocked_event, BlockedLanes, LaneShared, LaneState};
+use super::balance::ROOM_RECHECK;
 use super::context::InstanceContext;
 use super::lanes::{LaneId, Lanes};
 use super::pin::PinState;
@@ -49,10 +50,6 @@ pub(super) const PIN_CHECK: Duration = Duration::from_millis(250);
 pub(super) const BARRIER_CHECK: Duration = Duration::from_millis(20);
 /// A deadline far enough away to mean "not before something else happens".
 const NOT_SOON: Duration = Duration::from_secs(3600);
-/// How often a standby holding back because its replica has its share
-/// looks again without being told there may be room (the ledger tells it
-/// at once: member/balance.rs).
-const ROOM_RECHECK: Duration = Duration::from_secs(5);
 
 /// Why a session ended.
 pub enum SessionEnd {
