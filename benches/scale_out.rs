@@ -11,10 +11,12 @@
 //! 3. 100 groups × 10 webhook members on 3 replicas, idle: CPU per keygate
 //!    over 30 s, RSS, and at the start and end of the window its runtime
 //!    tasks and NATS subscriptions and the server's consumer count (KV
-//!    watches are consumers too).
+//!    watches are consumers too); once for members that never had a
+//!    message (`idle`), once for members quiet after traffic, each pinned
+//!    on one replica (`quiet`).
 //!
 //! `cargo bench --bench scale_out` (env `KEYGATE_BENCH_MESSAGES`, default 12000;
-//! `KEYGATE_BENCH_PARTS`, default `delivery,view,idle`).
+//! `KEYGATE_BENCH_PARTS`, default `delivery,view,idle,quiet`).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -249,9 +251,12 @@ async fn server_counts(http: &reqwest::Client, monitor: u16) -> (BTreeMap<String
 
 /// 1,000 idle webhook members (100 groups × 10) on 3 replicas, against a
 /// nats-server of their own whose monitoring endpoint counts subscriptions
-/// and consumers: the cost per keygate, and the server's consumers at the
-/// start and end of the window.
-async fn idle_members(http: &reqwest::Client) -> (Vec<IdleCost>, [u64; 2]) {
+/// and consumers: the cost per keygate, the server's consumers at the start
+/// and end of the window, and the pins each keygate holds. `after_traffic`:
+/// every member gets messages first, so each holds a pin and the pins are
+/// spread (members in use, now quiet); else no member ever had one (every
+/// instance of every member pulls as a standby).
+async fn idle_members(http: &reqwest::Client, after_traffic: bool) -> (Vec<IdleCost>, [u64; 2], Vec<usize>) {
     let monitor = support::free_port();
     let server = support::NatsServer::start_with(&["-m", &monitor.to_string()]);
     let nats = NatsEndpoint::open(&server.url());
@@ -264,8 +269,15 @@ async fn idle_members(http: &reqwest::Client) -> (Vec<IdleCost>, [u64; 2]) {
     for g in 0..100 {
         group(http, &kgs[0].base, &format!("IDLE{g}"), 10, &hook).await;
     }
-    // Every replica runs all 1,000 instances before the window starts.
-    tokio::time::sleep(Duration::from_secs(20)).await;
+    if after_traffic {
+        let js = keygate::nats::connect::jetstream(nats.connect().await.unwrap(), Duration::from_secs(10));
+        for g in 0..100 {
+            publish_raw(&js, &format!("idle{g}"), 0, 100).await;
+        }
+    }
+    // Every replica runs all 1,000 instances before the window starts (and
+    // after traffic, the pins have moved to their shares).
+    tokio::time::sleep(Duration::from_secs(if after_traffic { 45 } else { 20 })).await;
     let window: u64 = support::env_or("KEYGATE_BENCH_IDLE_SECS", 30);
     let mut before = Vec::new();
     for kg in &kgs {
@@ -274,6 +286,14 @@ async fn idle_members(http: &reqwest::Client) -> (Vec<IdleCost>, [u64; 2]) {
     let (subs_before, consumers_before) = server_counts(http, monitor).await;
     tokio::time::sleep(Duration::from_secs(window)).await;
     let (subs_after, consumers_after) = server_counts(http, monitor).await;
+    let mut pins = vec![0; kgs.len()];
+    for g in 0..100 {
+        for (i, n) in spread(http, &kgs[0].base, &format!("IDLE{g}")).await.unwrap_or_default() {
+            if let Some(slot) = i.strip_prefix("idle-").and_then(|k| k.parse::<usize>().ok()) {
+                pins[slot] += n;
+            }
+        }
+    }
     let mut costs = Vec::new();
     for (i, (kg, (cpu, tasks))) in kgs.iter().zip(before).enumerate() {
         let name = format!("keygate idle-{i}");
@@ -284,7 +304,7 @@ async fn idle_members(http: &reqwest::Client) -> (Vec<IdleCost>, [u64; 2]) {
             subscriptions: [subs_before.get(&name).copied().unwrap_or(0), subs_after.get(&name).copied().unwrap_or(0)],
         });
     }
-    (costs, [consumers_before, consumers_after])
+    (costs, [consumers_before, consumers_after], pins)
 }
 
 #[tokio::main]
@@ -299,8 +319,8 @@ async fn main() -> anyhow::Result<()> {
     println!("keygate scale-out benchmark ({n} messages, {MEMBERS}-member group, 1 ms of work each, loopback)");
     println!("| measure | raw async-nats | keygate | ratio | target |");
     println!("|---|---|---|---|---|");
-    // KEYGATE_BENCH_PARTS: which of delivery, view, idle to run (default all).
-    let parts: String = support::env_or("KEYGATE_BENCH_PARTS", "delivery,view,idle".to_owned());
+    // KEYGATE_BENCH_PARTS: which of delivery, view, idle, quiet to run (default all).
+    let parts: String = support::env_or("KEYGATE_BENCH_PARTS", "delivery,view,idle,quiet".to_owned());
     let part = |name: &str| parts.split(',').any(|p| p.trim() == name);
     let raw = if part("delivery") { raw_delivery(&http, &nats, &js, n).await } else { 0.0 };
     let mut one = None;
@@ -327,16 +347,20 @@ async fn main() -> anyhow::Result<()> {
             keygate[1] / infos[1]
         );
     }
-    if part("idle") {
-        let (costs, consumers) = idle_members(&http).await;
+    for (name, after_traffic) in [("idle", false), ("quiet", true)] {
+        if !part(name) {
+            continue;
+        }
+        let (costs, consumers, pins) = idle_members(&http, after_traffic).await;
+        let state = if after_traffic { "quiet after traffic, pins spread" } else { "never had a message, no pins" };
         for (i, c) in costs.iter().enumerate() {
             println!(
-                "| idle, 100 groups × 10 webhook members, keygate {i} of 3: CPU, RSS; tasks and NATS subscriptions at the window's start → end | | {:.2}% of a core, {:.1} MiB; tasks {:.0} → {:.0}, subscriptions {} → {} | | ≤ 2% CPU, ≤ 150 MB, no growth |",
-                c.cpu, c.rss, c.tasks[0], c.tasks[1], c.subscriptions[0], c.subscriptions[1]
+                "| {name}: 100 groups × 10 webhook members ({state}), keygate {i} of 3, {} pins: CPU, RSS; tasks and NATS subscriptions at the window's start → end | | {:.2}% of a core, {:.1} MiB; tasks {:.0} → {:.0}, subscriptions {} → {} | | ≤ 2% CPU, ≤ 150 MB, no growth |",
+                pins[i], c.cpu, c.rss, c.tasks[0], c.tasks[1], c.subscriptions[0], c.subscriptions[1]
             );
         }
         println!(
-            "| idle: the server's consumers (members' and KV watches') at the window's start → end | | {} → {} | | no growth |",
+            "| {name}: the server's consumers (members' and KV watches') at the window's start → end | | {} → {} | | no growth |",
             consumers[0], consumers[1]
         );
     }

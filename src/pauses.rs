@@ -17,6 +17,7 @@ use utoipa::ToSchema;
 
 use crate::error::Error;
 use crate::member_ref::MemberRef;
+use crate::names::{GroupName, StreamName};
 use crate::nats::buckets::OpenBuckets;
 use crate::nats::errors::unavailable_or_internal;
 
@@ -140,9 +141,6 @@ impl Pauses {
             Ok(Some(store)) => store,
             Ok(None) | Err(_) => return vec![None; who.len()],
         };
-        if let Some(flags) = self.flags_alike(&store, who).await {
-            return who.iter().map(|w| w.as_ref().and_then(|w| flags.get(&pause_key(w)).cloned())).collect();
-        }
         // Each read owns its store and member: with borrows inside, the
         // handler's future would not be `Send`.
         let reads = who.iter().cloned().map(|who| {
@@ -161,19 +159,17 @@ impl Pauses {
         read.into_iter().map(|r| r.ok().flatten()).collect()
     }
 
-    /// The flags of all of `who` in one read when they share owner, stream
-    /// and group (a group's members): the last value of every key under
-    /// that prefix, by one batched direct get (`multi_last`, nats-server
-    /// 2.11+) instead of a request per member. `None` when that read cannot
-    /// tell (over 1,024 flags, a bucket without direct gets, no answer in
-    /// time, anything unexpected): the flags are then read one by one.
-    async fn flags_alike(&self, store: &kv::Store, who: &[Option<MemberRef>]) -> Option<HashMap<String, Pause>> {
-        let first = who.iter().flatten().next()?;
-        let alike = |w: &MemberRef| w.owner == first.owner && w.stream == first.stream && w.group == first.group;
-        if !who.iter().flatten().all(alike) {
-            return None;
-        }
-        let filter = format!("{}{}.{}.{}.*", store.prefix, first.owner.as_str(), first.stream, first.group);
+    /// Every pause flag of `stream`/`group`'s members, by [`pause_key`], in
+    /// one read: the last value of every key under the group's prefix, by
+    /// one batched direct get (`multi_last`, nats-server 2.11+) instead of
+    /// a request per member. `None` when that read cannot tell (over 1,024
+    /// flags, a bucket without direct gets, no answer in time, anything
+    /// unexpected): then [`get_many`](Self::get_many) reads them one by one.
+    pub async fn of_group(&self, stream: &StreamName, group: &GroupName) -> Option<HashMap<String, Pause>> {
+        let Some(store) = self.open.open(&self.js, PAUSES_BUCKET).await.ok()? else {
+            return Some(HashMap::new());
+        };
+        let filter = format!("{}{}.{stream}.{group}.*", store.prefix, crate::member_ref::Owner::Group.as_str());
         let client = self.js.client();
         let inbox = client.new_inbox();
         let mut answers = client.subscribe(inbox.clone()).await.ok()?;

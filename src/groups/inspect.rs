@@ -18,6 +18,7 @@ use crate::error::Error;
 use crate::member_ref::{MemberRef, Owner};
 use crate::names::{GroupName, StreamName};
 use crate::nats::errors::{is_not_found, unavailable_or_internal};
+use crate::pauses::pause_key;
 
 /// JetStream API requests a group view has in flight at once: a hundred
 /// members' consumer infos go out together (one connection pipelines
@@ -44,7 +45,20 @@ impl GroupAdmin {
         group: &GroupName,
         kind: Option<GroupKind>,
     ) -> Result<(GroupView, BTreeMap<u32, u64>), Error> {
-        let (stored, settings) = tokio::join!(self.load(stream, group, kind), self.settings(stream, group));
+        // With the configuration, what needs only the names: the group's pause
+        // flags, and the stream's consumers, where a static group's are.
+        let first_page = async {
+            match kind {
+                Some(GroupKind::Elastic) => None,
+                _ => Some(self.consumer_page(stream.as_str(), 0).await),
+            }
+        };
+        let (stored, settings, flags, first_page) = tokio::join!(
+            self.load(stream, group, kind),
+            self.settings(stream, group),
+            self.pauses.of_group(stream, group),
+            first_page
+        );
         let (stored, settings) = (stored?, settings?);
         let config = &stored.config;
         let partitions = config.partitions();
@@ -54,18 +68,17 @@ impl GroupAdmin {
         // What each member's consumer has not had acknowledged: undelivered
         // plus delivered and unacknowledged.
         let mut backlogs: BTreeMap<String, u64> = BTreeMap::new();
-        // Asked all at once (in order), with the pause flags beside them: a
-        // hundred members cost one round trip, not a hundred.
-        // Every member's consumer is on one stream: the group's own (static)
-        // or its work queue (elastic).
+        // Every member's consumer is on one stream, the group's own (static)
+        // or its work queue (elastic), and read from its list: a hundred
+        // members cost a request or two, not a hundred.
         let consumers: Vec<String> =
             owners.iter().map(|(member, _)| consumer_of(config, stream.as_str(), group.as_str(), member).1).collect();
-        let consumers_stream = match config {
-            GroupConfig::Static(_) => stream.to_string(),
-            GroupConfig::Elastic(_) => elastic_stream_name(stream.as_str(), group.as_str()),
+        let (consumers_stream, first_page) = match config {
+            GroupConfig::Static(_) => (stream.to_string(), first_page),
+            GroupConfig::Elastic(_) => (elastic_stream_name(stream.as_str(), group.as_str()), None),
         };
         let infos = async {
-            let infos = self.consumer_infos(&consumers_stream, &consumers).await?;
+            let infos = self.consumer_infos(&consumers_stream, &consumers, first_page).await?;
             Ok::<_, Error>(consumers.iter().cloned().zip(infos).collect::<Vec<_>>())
         };
         let members: Vec<Option<MemberRef>> = owners
@@ -75,7 +88,15 @@ impl GroupAdmin {
                 Some(MemberRef { stream: stream.clone(), group: group.clone(), member, owner: Owner::Group })
             })
             .collect();
-        let (infos, paused) = tokio::join!(infos, self.pauses.get_many(&members));
+        let paused = async {
+            match &flags {
+                Some(flags) => {
+                    members.iter().map(|m| m.as_ref().and_then(|m| flags.get(&pause_key(m)).cloned())).collect()
+                }
+                None => self.pauses.get_many(&members).await,
+            }
+        };
+        let (infos, paused): (_, Vec<_>) = tokio::join!(infos, paused);
         for (((member, owned), (consumer, info)), paused) in owners.iter().zip(infos?).zip(paused) {
             let state = match info {
                 Some(info) => {
@@ -202,9 +223,19 @@ impl GroupAdmin {
     /// stream with at most [`LISTED_CONSUMERS`] is read from its list, its
     /// pages at once; a consumer the list does not hold (created since, or
     /// its leader did not answer in a cluster) is asked for on its own.
-    async fn consumer_infos(&self, stream: &str, consumers: &[String]) -> Result<Vec<Option<Info>>, Error> {
+    /// `first_page`: the list's first page when it was already asked for.
+    async fn consumer_infos(
+        &self,
+        stream: &str,
+        consumers: &[String],
+        first_page: Option<Result<ConsumerPage, RequestError>>,
+    ) -> Result<Vec<Option<Info>>, Error> {
         let mut listed: BTreeMap<String, Info> = BTreeMap::new();
-        match self.consumer_page(stream, 0).await {
+        let first_page = match first_page {
+            Some(page) => page,
+            None => self.consumer_page(stream, 0).await,
+        };
+        match first_page {
             Ok(first) => {
                 let total = first.total;
                 listed.extend(first.consumers.into_iter().flatten().map(|info| (info.name.clone(), info)));

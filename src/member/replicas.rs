@@ -98,18 +98,22 @@ impl Replicas {
     /// by member, pinned first.
     pub fn instances_of(&self, stream: &str, group: &str) -> BTreeMap<String, Vec<ServingInstance>> {
         let own = self.own();
+        // Only the group's entries are copied: a report lists every instance of its replica.
+        let of_group = |e: &&RosterEntry| e.stream == stream && e.group == group;
         let mut reports: Vec<(String, Vec<RosterEntry>)> = self
             .seen()
             .iter()
             .filter(|(tag, _)| own.as_ref().is_none_or(|own| own.tag != **tag))
-            .map(|(_, seen)| (seen.report.name.clone(), seen.report.instances.clone()))
+            .map(|(_, seen)| {
+                (seen.report.name.clone(), seen.report.instances.iter().filter(of_group).cloned().collect())
+            })
             .collect();
         if let Some(own) = own {
-            reports.push((own.name, own.roster.entries()));
+            reports.push((own.name, own.roster.entries_of(stream, group)));
         }
         let mut by_member: BTreeMap<String, Vec<ServingInstance>> = BTreeMap::new();
         for (name, instances) in reports {
-            for entry in instances.into_iter().filter(|e| e.stream == stream && e.group == group) {
+            for entry in instances {
                 let instance = ServingInstance { instance: name.clone(), session: entry.session, report: entry.report };
                 by_member.entry(entry.member).or_default().push(instance);
             }

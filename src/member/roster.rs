@@ -100,8 +100,18 @@ impl Roster {
     }
 
     pub fn entries(&self) -> Vec<RosterEntry> {
+        self.entries_where(|_, _| true)
+    }
+
+    /// The entries of the instances of `stream`/`group`'s members.
+    pub fn entries_of(&self, stream: &str, group: &str) -> Vec<RosterEntry> {
+        self.entries_where(|s, g| s == stream && g == group)
+    }
+
+    fn entries_where(&self, keep: impl Fn(&str, &str) -> bool) -> Vec<RosterEntry> {
         self.sessions()
             .iter()
+            .filter(|((stream, group, _, _), _)| keep(stream, group))
             .map(|((stream, group, member, session), report)| RosterEntry {
                 stream: stream.clone(),
                 group: group.clone(),
