@@ -4,9 +4,10 @@
 //! pins step down, the tenure and the hold) and a model of the rest:
 //!
 //! - every replica runs an instance of every member; an instance keeps a
-//!   pull waiting at the server (renewed every 2.5 s, the pull expiry of a
-//!   5 s ack wait) unless it holds back: for 10 s after stepping down, or
-//!   while its replica holds its share of the group's pins. One holding
+//!   pull waiting at the server (a 5 s ack wait: the pin holder renews it
+//!   every 2.5 s, a standby every 5 s) unless it holds back: for 10 s
+//!   after stepping down, or while its replica holds its share of the
+//!   group's pins. One holding
 //!   back for the share looks again only when its replica's ledger tells
 //!   it there may be room (a pin lost there, or the count of replicas
 //!   changed at the replica's last comparison) or 5 s later;
@@ -30,6 +31,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use keygate::member::balance::{fair_share, to_step_down, MIN_TENURE, ROOM_RECHECK, STEP_DOWN_HOLD};
+use keygate::member::join::{pinned_ttl, pull_expiry, standby_pull_expiry};
 use keygate::member::replicas::RECENT;
 use keygate::names::MemberName;
 use rand::rngs::StdRng;
@@ -39,8 +41,7 @@ use tokio::time::Instant;
 const MEMBERS: usize = 3000;
 const REPLICAS: usize = 30;
 const STEP: Duration = Duration::from_millis(50);
-const PULL_EXPIRY: Duration = Duration::from_millis(2500);
-const PIN_TTL: Duration = Duration::from_secs(5);
+const ACK_WAIT: Duration = Duration::from_secs(5);
 const PRESENCE_RENEW: Duration = Duration::from_secs(2);
 const SEEN_AFTER: Duration = Duration::from_millis(200);
 const START_SPREAD_MS: u64 = 3000;
@@ -189,15 +190,17 @@ impl Model {
                     instance.next_look = instance.hold_until;
                 } else if !pinned_here && full {
                     instance.next_look = now + ROOM_RECHECK;
+                } else if pinned_here {
+                    instance.pull_alive_until = now + pull_expiry(ACK_WAIT);
                 } else {
-                    instance.pull_alive_until = now + PULL_EXPIRY;
+                    instance.pull_alive_until = now + standby_pull_expiry(ACK_WAIT);
                 }
             }
         }
         // A dead replica's pins lapse after the pin TTL.
         for m in 0..MEMBERS {
             if let Some(r) = self.holder[m] {
-                if self.replicas[r].died.is_some_and(|died| now >= died + PIN_TTL) {
+                if self.replicas[r].died.is_some_and(|died| now >= died + pinned_ttl(ACK_WAIT)) {
                     self.free(m);
                 }
             }

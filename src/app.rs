@@ -122,7 +122,7 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
     // The server's connection list (connz) then tells replicas apart.
     let connection_name =
         settings.instance_id.as_ref().map_or_else(|| "keygate".to_owned(), |id| format!("keygate {id}"));
-    let nats = connect(&url, &auth, &connection_name).await?;
+    let (nats, connections) = connect(&url, &auth, &connection_name).await?;
     crate::nats::replicas::configure(settings.state_replicas);
     let mut state = AppState::new(settings, nats.clone(), verifier, shutdown.clone());
     let instances = Arc::new(InstanceContext {
@@ -146,6 +146,7 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
             &[crate::member::control::CONTROL_PREFIX],
         ),
         outbox: crate::nats::outbox::Outbox::start(nats.clone()),
+        connections,
         configs: Default::default(),
         pins: Default::default(),
         replicas: Default::default(),

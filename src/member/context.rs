@@ -38,6 +38,9 @@ pub struct InstanceContext {
     pub subscriptions: SharedSubscriptions,
     /// Where instances' pull requests are published, to leave together.
     pub outbox: crate::nats::outbox::Outbox,
+    /// Connections to NATS made so far: pulls waiting at the server may
+    /// not outlive a reconnect, so instances pull again when it changes.
+    pub connections: tokio::sync::watch::Receiver<u64>,
     /// The latest configuration of each group, shared by its instances.
     pub configs: Mutex<SharedConfigs>,
     /// Webhook members served and pinned here, for pin balancing.

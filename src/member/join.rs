@@ -35,8 +35,19 @@ pub fn pinned_ttl(ack_wait: Duration) -> Duration {
 }
 
 /// The pull expiry pcgroups uses: half the ack wait, at least one second.
+/// The pin holder pulls with it: each of its pulls renews the pin, so one
+/// must reach the server well within the pinned TTL.
 pub fn pull_expiry(ack_wait: Duration) -> Duration {
     (ack_wait / 2).max(Duration::from_secs(1))
+}
+
+/// How long a standby's pull waits at the server: the pinned TTL. A
+/// standby's pull renews no pin; it only has to be waiting when the pin
+/// comes free, so it is renewed half as often as the holder's (a thousand
+/// idle members' standbys cost half as much). The first message it brings
+/// makes it the holder, and its next pull is a holder's.
+pub fn standby_pull_expiry(ack_wait: Duration) -> Duration {
+    pinned_ttl(ack_wait)
 }
 
 /// The consumer configuration of `member` (pcgroups' fields and defaults).

@@ -152,7 +152,8 @@ impl OpenPulls {
         self.open.retain(|o| o.deadline > now);
     }
 
-    /// Forgets every open pull (they carried a pin that is gone).
+    /// Forgets every open pull (they carried a pin that is gone, or went
+    /// out on a connection that is).
     pub fn clear(&mut self) {
         self.open.clear();
     }

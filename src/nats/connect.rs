@@ -1,9 +1,11 @@
 //! Connecting to NATS with the configured credentials.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use tokio::sync::watch;
 
 /// Credentials for an external NATS.
 #[derive(Clone, Default)]
@@ -27,14 +29,23 @@ impl std::fmt::Debug for NatsAuth {
 }
 
 /// Connects to `url`, retrying in the background when the servers are not up
-/// yet, so keygate starts and reports not-ready instead of exiting.
-pub async fn connect(url: &str, auth: &NatsAuth, name: &str) -> anyhow::Result<async_nats::Client> {
-    connect_with(url, auth, name, true).await
+/// yet, so keygate starts and reports not-ready instead of exiting. The
+/// receiver counts the connections made (one more at every reconnect):
+/// what lives only as long as a connection, such as pulls waiting at the
+/// server, is made again when it changes.
+pub async fn connect(
+    url: &str,
+    auth: &NatsAuth,
+    name: &str,
+) -> anyhow::Result<(async_nats::Client, watch::Receiver<u64>)> {
+    let (connections, counted) = watch::channel(0);
+    let client = connect_with(url, auth, name, true, Some(connections)).await?;
+    Ok((client, counted))
 }
 
 /// Connects once, failing when no server answers (for one-shot commands).
 pub async fn connect_once(url: &str, auth: &NatsAuth) -> anyhow::Result<async_nats::Client> {
-    connect_with(url, auth, "keygate", false).await
+    connect_with(url, auth, "keygate", false, None).await
 }
 
 async fn connect_with(
@@ -42,17 +53,21 @@ async fn connect_with(
     auth: &NatsAuth,
     name: &str,
     retry_initial: bool,
+    connections: Option<watch::Sender<u64>>,
 ) -> anyhow::Result<async_nats::Client> {
+    let connections = Arc::new(connections);
     let mut options = async_nats::ConnectOptions::new()
         .name(name)
         .connection_timeout(Duration::from_secs(5))
         .request_timeout(Some(Duration::from_secs(5)))
         .read_buffer_capacity(8192)
-        .event_callback(|event| async move {
-            match event {
-                async_nats::Event::Connected => tracing::info!("connected to NATS"),
-                async_nats::Event::Disconnected => tracing::warn!("disconnected from NATS"),
-                other => tracing::debug!(event = %other, "NATS event"),
+        .event_callback(move |event| {
+            let connections = connections.clone();
+            async move {
+                if let (async_nats::Event::Connected, Some(connections)) = (&event, connections.as_ref()) {
+                    connections.send_modify(|n| *n += 1);
+                }
+                log_event(event);
             }
         });
     if retry_initial {
@@ -78,6 +93,14 @@ async fn connect_with(
         .collect::<anyhow::Result<_>>()?;
     anyhow::ensure!(!urls.is_empty(), "no NATS URL given");
     options.connect(urls).await.context("connecting to NATS")
+}
+
+fn log_event(event: async_nats::Event) {
+    match event {
+        async_nats::Event::Connected => tracing::info!("connected to NATS"),
+        async_nats::Event::Disconnected => tracing::warn!("disconnected from NATS"),
+        other => tracing::debug!(event = %other, "NATS event"),
+    }
 }
 
 /// A JetStream context sized for pipelined publishing.

@@ -118,6 +118,13 @@ async fn elastic_members_added_and_dropped_while_messages_flow_lose_nothing() {
         published.extend(publish_batch(&app, "EV", n, 40, 30).await);
         n += 40;
         if round == 8 {
+            // keygate finds the first registration of a store within a
+            // second: `a` serves before `b` shares its partitions, whatever
+            // the rounds took until now.
+            eventually(Duration::from_secs(20), || async {
+                receiver.requests().iter().any(|r| r.path == "/a" && r.ok()).then_some(())
+            })
+            .await;
             let (status, _) = app.post("/v1/streams/EV/groups/g/members", json!({"members":["b"]})).await;
             assert_eq!(status, 200);
             register("b").await;
@@ -173,4 +180,38 @@ async fn sigterm_finishes_deliveries_in_flight_hands_the_pin_over_and_exits_clea
     assert!(repeated.is_empty(), "redelivered after a graceful stop: {repeated:?}");
     let (_, view) = admin.get("/v1/streams/ORDERS/groups/g").await;
     assert_ne!(view["assignment"][0]["serving_instance"], "keygate-a");
+}
+
+/// A server that restarts forgets the pulls waiting on it. keygate pulls
+/// again as soon as it has reconnected, not when the forgotten pulls would
+/// have ended: with an 8 s ack wait a standby's pull waits 8 s, so a
+/// message published after the restart reaches the never-pinned member
+/// within a few seconds only if its instance pulled again on reconnecting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_pull_again_as_soon_as_keygate_reconnects_to_a_restarted_server() {
+    let mut app = TestApp::start().await;
+    let receiver = Receiver::start(|_, _| Answer::ok()).await;
+    app.create_stream("RE", json!({"subjects":["re.*"],"partitions":1})).await;
+    let group = json!({"kind":"static","partitions":1,"members":["m1"],"ack_wait_ms":8000});
+    assert_eq!(app.put("/v1/streams/RE/groups/g", group).await.0, 201);
+    let hook = json!({"url": receiver.url("/m1")});
+    assert_eq!(app.put("/v1/streams/RE/groups/g/members/m1/webhook", hook).await.0, 201);
+    // No message yet, so no pin: the instance's pull waits as a standby's.
+    eventually(Duration::from_secs(10), || async {
+        let info = app.js.get_stream("RE").await.ok()?.consumer_info("g-m1").await.ok()?;
+        (info.num_waiting > 0).then_some(())
+    })
+    .await;
+    let server = app.nats_server.as_mut().unwrap();
+    tokio::task::block_in_place(|| server.restart());
+    let restarted = Instant::now();
+    eventually(Duration::from_secs(10), || async {
+        let (status, _) = app.post("/v1/streams/RE/messages", json!({"key":"k","data":1})).await;
+        (status == 200).then_some(())
+    })
+    .await;
+    eventually(Duration::from_secs(15), || async { receiver.requests().iter().any(Recorded::ok).then_some(()) }).await;
+    let took = restarted.elapsed();
+    println!("delivered {:.2} s after the server restarted", took.as_secs_f64());
+    assert!(took < Duration::from_secs(4), "the instance waited for its forgotten pull to end: {took:?}");
 }

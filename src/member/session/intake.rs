@@ -8,7 +8,7 @@ use super::{Session, SessionEnd};
 use crate::delivery::message::{Delivered, Partitioning};
 use crate::groups::Ordering;
 use crate::member::deliver::{remove, Because};
-use crate::member::join::pull_expiry;
+use crate::member::join::{pull_expiry, standby_pull_expiry};
 use crate::member::lanes::{LaneId, Offered};
 use crate::member::pull::{classify, grid_expiry, PullRequest, Reply};
 
@@ -38,7 +38,8 @@ impl Session {
                 return false;
             }
             let room = if trickle { 1 } else { MAX_PULL_BATCH };
-            let expiry = grid_expiry(pull_expiry(self.joined.ack_wait), Instant::now());
+            let expiry = if self.pin.is_pinned() { pull_expiry } else { standby_pull_expiry };
+            let expiry = grid_expiry(expiry(self.joined.ack_wait), Instant::now());
             let request = PullRequest::new(room, expiry, self.pin.id());
             let outbox = self.shared.ctx.outbox.clone();
             if !self.pulls.send(&outbox, &self.joined.stream_name, &self.joined.consumer, &request).await {

@@ -198,6 +198,8 @@ impl Session {
         let mut progress_at: Option<Instant> = None;
         let wake = self.shared.wake.clone();
         let mut room = self.balanced.then(|| self.ctx().pins.room(self.who()));
+        let mut connections = self.ctx().connections.clone();
+        connections.mark_unchanged();
         self.report_pin();
         let end = loop {
             if self.shared.gone.load(Ordering::Relaxed) {
@@ -234,6 +236,9 @@ impl Session {
                     }
                 }
                 () = wake.notified() => {}
+                // The pulls may have been waiting at a server this keygate
+                // no longer reaches: ask again at once, not at their deadlines.
+                Ok(()) = connections.changed() => self.pulls.clear(),
                 () = room_made(&mut room), if held_back => {}
                 () = tokio::time::sleep_until(progress_at.unwrap_or(now).into()), if progress_at.is_some() => {
                     progress_at = Some(Instant::now() + progress_every);
