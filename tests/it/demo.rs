@@ -75,9 +75,13 @@ pub(crate) async fn wait_for(browser: &mut Browser, condition: &str) {
 async fn the_dashboard_shows_partitions_and_pins_and_step_down_moves_the_pin() {
     use crate::support::receiver::{Answer, Receiver};
     use serde_json::json;
-    let app = TestApp::start().await;
+    // Pins stay where the server put them: a balancing step-down of m1 before
+    // the page shows its pin would leave m1 unpinned until its next message
+    // (balancing has its own tests in tests/it/scale_out.rs).
+    let unbalanced = |s: &mut keygate::settings::Settings| s.pin_balance_slack = 2;
+    let app = TestApp::start_with(unbalanced).await;
     // A second replica: each member then has a pinned instance and a standby.
-    let _replica = TestApp::start_on(app.nats_url.clone()).await;
+    let _replica = TestApp::start_on_with(app.nats_url.clone(), unbalanced).await;
     app.create_stream("ORDERS", json!({"subjects":["orders.*"],"partitions":4})).await;
     let (status, _) =
         app.put("/v1/streams/ORDERS/groups/g", json!({"kind":"static","partitions":4,"members":["m1","m2"]})).await;
