@@ -50,6 +50,8 @@ pub struct ServingInstance {
 /// Another replica's entry as last written.
 struct Seen {
     at: Instant,
+    /// As written: a renewal that changes nothing is not read again.
+    value: bytes::Bytes,
     report: Arc<ReplicaReport>,
 }
 
@@ -124,10 +126,16 @@ impl Replicas {
         by_member
     }
 
-    fn saw(&self, tag: &str, value: &[u8]) {
-        let report = serde_json::from_slice(value).unwrap_or_default();
-        let seen = Seen { at: Instant::now(), report: Arc::new(report) };
-        self.seen.lock().unwrap_or_else(|p| p.into_inner()).insert(tag.to_owned(), seen);
+    fn saw(&self, tag: &str, value: bytes::Bytes) {
+        // This replica's own instances are read from its roster, not its entry.
+        let own = self.own().is_some_and(|own| own.tag == tag);
+        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(last) = seen.get_mut(tag).filter(|last| own || last.value == value) {
+            last.at = Instant::now();
+            return;
+        }
+        let report = if own { ReplicaReport::default() } else { serde_json::from_slice(&value).unwrap_or_default() };
+        seen.insert(tag.to_owned(), Seen { at: Instant::now(), value, report: Arc::new(report) });
     }
 
     fn forget(&self, tag: &str) {
@@ -152,9 +160,19 @@ impl Replicas {
         };
         let mut watch = None;
         let mut renew = tokio::time::interval(RENEW_EVERY);
-        let announce = || {
-            let report = ReplicaReport { name: name.clone(), instances: roster.entries() };
-            serde_json::to_vec(&report).unwrap_or_default()
+        // Written anew only when the roster changed since.
+        let mut announced: Option<(u64, bytes::Bytes)> = None;
+        let mut announce = || {
+            let version = roster.version();
+            match &announced {
+                Some((at, value)) if *at == version => value.clone(),
+                _ => {
+                    let report = ReplicaReport { name: name.clone(), instances: roster.entries() };
+                    let value = bytes::Bytes::from(serde_json::to_vec(&report).unwrap_or_default());
+                    announced = Some((version, value.clone()));
+                    value
+                }
+            }
         };
         loop {
             if watch.is_none() {
@@ -162,18 +180,18 @@ impl Replicas {
             }
             tokio::select! {
                 _ = renew.tick() => {
-                    if let Err(e) = store.put(&tag, announce().into()).await {
+                    if let Err(e) = store.put(&tag, announce()).await {
                         tracing::debug!(error = %e, "announcing this replica failed");
                     }
                 }
                 () = roster.changed.notified() => {
                     tokio::time::sleep(CHANGE_DEBOUNCE).await;
-                    if let Err(e) = store.put(&tag, announce().into()).await {
+                    if let Err(e) = store.put(&tag, announce()).await {
                         tracing::debug!(error = %e, "announcing this replica's instances failed");
                     }
                 }
                 entry = next_entry(&mut watch) => match entry {
-                    Some(entry) if entry.operation == kv::Operation::Put => self.saw(&entry.key, &entry.value),
+                    Some(entry) if entry.operation == kv::Operation::Put => self.saw(&entry.key, entry.value),
                     Some(entry) => self.forget(&entry.key),
                     None => watch = None,
                 },

@@ -23,6 +23,7 @@ use async_nats::jetstream::AckKind;
 use futures::StreamExt;
 use tokio::sync::broadcast::{error::RecvError, Receiver};
 use tokio::task::JoinSet;
+use tokio_stream::wrappers::{errors::BroadcastStreamRecvError, BroadcastStream};
 use tokio_util::sync::CancellationToken;
 
 use self::keys::KeyLocator;
@@ -176,9 +177,9 @@ impl Session {
     pub async fn run(
         mut self,
         cancel: &CancellationToken,
-        mut updates: Receiver<Arc<Entry>>,
-        mut settings: Receiver<Arc<Entry>>,
-        mut pauses: Receiver<Arc<Entry>>,
+        updates: Receiver<Arc<Entry>>,
+        settings: Receiver<Arc<Entry>>,
+        pauses: Receiver<Arc<Entry>>,
     ) -> SessionEnd {
         let pause_key = crate::pauses::pause_key(self.who());
         // A breaker's probe: this instance's own claim does not pause it, and
@@ -189,14 +190,26 @@ impl Session {
             return SessionEnd::ConsumerGone;
         };
         let control_subject = super::control::control_subject(self.who());
-        let Ok(mut control) = self.ctx().subscriptions.subscribe(&control_subject).await else {
+        let Ok(control) = self.ctx().subscriptions.subscribe(&control_subject).await else {
             return SessionEnd::ConsumerGone;
         };
+        // The loop's waits live across its turns: a turn that is a pull's
+        // renewal does not sign up again with every channel and timer (the
+        // bulk of an idle instance's cost, a thousand of them per replica).
+        let (mut control, mut updates, mut settings, mut pauses) = (
+            BroadcastStream::new(control),
+            BroadcastStream::new(updates),
+            BroadcastStream::new(settings),
+            BroadcastStream::new(pauses),
+        );
+        let mut cancelled = std::pin::pin!(cancel.cancelled());
+        let mut timer = std::pin::pin!(tokio::time::sleep(NOT_SOON));
         // An idle instance sleeps until its next pull ends: no timer ticks
         // for work that is not there (a thousand idle members stay cheap).
         let progress_every = (self.joined.ack_wait / 3).max(Duration::from_millis(100));
         let mut progress_at: Option<Instant> = None;
         let wake = self.shared.wake.clone();
+        let mut woken = std::pin::pin!(wake.notified());
         let mut room = self.balanced.then(|| self.ctx().pins.room(self.who()));
         let mut connections = self.ctx().connections.clone();
         connections.mark_unchanged();
@@ -227,41 +240,52 @@ impl Session {
             // Held, in-flight and awaited messages are kept alive while there are any.
             progress_at = busy.then(|| progress_at.unwrap_or(now + progress_every));
             let pin_check_at = self.next_pin_check(barrier_up).unwrap_or(now + NOT_SOON);
+            let next_timer = progress_at.map_or(pin_check_at, |at| at.min(pin_check_at)).min(pull_deadline);
+            if timer.deadline() != next_timer.into() {
+                timer.as_mut().reset(next_timer.into());
+            }
             tokio::select! {
-                () = cancel.cancelled() => break SessionEnd::Shutdown,
+                () = &mut cancelled => break SessionEnd::Shutdown,
                 reply = replies.next() => {
                     let Some(reply) = reply else { break SessionEnd::ConsumerGone };
                     if let Some(end) = Box::pin(self.on_reply(reply)).await {
                         break end;
                     }
                 }
-                () = wake.notified() => {}
+                () = &mut woken => woken.set(wake.notified()),
                 // The pulls may have been waiting at a server this keygate
                 // no longer reaches: ask again at once, not at their deadlines.
                 Ok(()) = connections.changed() => self.pulls.clear(),
                 () = room_made(&mut room), if held_back => {}
-                () = tokio::time::sleep_until(progress_at.unwrap_or(now).into()), if progress_at.is_some() => {
-                    progress_at = Some(Instant::now() + progress_every);
-                    Box::pin(self.progress()).await;
+                () = &mut timer => {
+                    let now = Instant::now();
+                    if progress_at.is_some_and(|at| at <= now) {
+                        progress_at = Some(now + progress_every);
+                        Box::pin(self.progress()).await;
+                    }
+                    if pin_check_at <= now {
+                        Box::pin(self.check_pin()).await;
+                    }
+                    if pull_deadline <= now {
+                        self.pulls.expire(now);
+                    }
                 }
-                () = tokio::time::sleep_until(pin_check_at.into()) => Box::pin(self.check_pin()).await,
-                () = tokio::time::sleep_until(pull_deadline.into()) => self.pulls.expire(Instant::now()),
-                request = control.recv() => match request {
+                request = control.next() => match received(request) {
                     Ok(request) => Box::pin(self.on_control(request)).await,
                     Err(RecvError::Lagged(_)) => {}
                     Err(RecvError::Closed) => break SessionEnd::ConsumerGone,
                 },
-                update = updates.recv() => {
-                    if let Some(end) = self.on_config_update(update) {
+                update = updates.next() => {
+                    if let Some(end) = self.on_config_update(received(update)) {
                         break end;
                     }
                 }
-                update = settings.recv() => {
-                    if let Some(end) = self.on_settings_update(update) {
+                update = settings.next() => {
+                    if let Some(end) = self.on_settings_update(received(update)) {
                         break end;
                     }
                 }
-                update = pauses.recv() => match crate::pauses::pause_update(&pause_key, update) {
+                update = pauses.next() => match crate::pauses::pause_update(&pause_key, received(update)) {
                     PauseUpdate::Paused { probing_by } if probing && probing_by.as_deref() == Some(instance_id.as_str()) => {}
                     // Missed updates: the instance reads the flag before it joins again.
                     PauseUpdate::Paused { .. } | PauseUpdate::Unknown => break SessionEnd::Paused,
@@ -427,6 +451,15 @@ impl Session {
 
 /// Resolves when the pin ledger says this replica may have room for
 /// another of the group's pins; never once the ledger is gone.
+/// A broadcast stream's item as the channel's own `recv` tells it.
+fn received<T>(item: Option<Result<T, BroadcastStreamRecvError>>) -> Result<T, RecvError> {
+    match item {
+        Some(Ok(value)) => Ok(value),
+        Some(Err(BroadcastStreamRecvError::Lagged(missed))) => Err(RecvError::Lagged(missed)),
+        None => Err(RecvError::Closed),
+    }
+}
+
 async fn room_made(room: &mut Option<tokio::sync::watch::Receiver<()>>) {
     let Some(receiver) = room else { return std::future::pending().await };
     if receiver.changed().await.is_err() {
