@@ -160,33 +160,22 @@ impl Replicas {
         };
         let mut watch = None;
         let mut renew = tokio::time::interval(RENEW_EVERY);
-        // Written anew only when the roster changed since.
-        let mut announced: Option<(u64, bytes::Bytes)> = None;
-        let mut announce = || {
-            let version = roster.version();
-            match &announced {
-                Some((at, value)) if *at == version => value.clone(),
-                _ => {
-                    let report = ReplicaReport { name: name.clone(), instances: roster.entries() };
-                    let value = bytes::Bytes::from(serde_json::to_vec(&report).unwrap_or_default());
-                    announced = Some((version, value.clone()));
-                    value
-                }
-            }
-        };
+        // Room for the message's subject and headers beside the entry.
+        let max_entry = js.client().server_info().max_payload.saturating_sub(4096);
+        let mut announcement = Announcement::new(name.clone(), roster.clone(), max_entry);
         loop {
             if watch.is_none() {
                 watch = store.watch_all().await.ok();
             }
             tokio::select! {
                 _ = renew.tick() => {
-                    if let Err(e) = store.put(&tag, announce()).await {
+                    if let Err(e) = store.put(&tag, announcement.value()).await {
                         tracing::debug!(error = %e, "announcing this replica failed");
                     }
                 }
                 () = roster.changed.notified() => {
                     tokio::time::sleep(CHANGE_DEBOUNCE).await;
-                    if let Err(e) = store.put(&tag, announce()).await {
+                    if let Err(e) = store.put(&tag, announcement.value()).await {
                         tracing::debug!(error = %e, "announcing this replica's instances failed");
                     }
                 }
@@ -204,9 +193,98 @@ impl Replicas {
     }
 }
 
+/// This replica's entry, serialized again only after its roster changed.
+struct Announcement {
+    name: String,
+    roster: Arc<Roster>,
+    /// The most an entry may take (one NATS message, less the subject and headers).
+    max_entry: usize,
+    last: Option<(u64, bytes::Bytes)>,
+    warned: bool,
+}
+
+impl Announcement {
+    fn new(name: String, roster: Arc<Roster>, max_entry: usize) -> Self {
+        Self { name, roster, max_entry, last: None, warned: false }
+    }
+
+    fn value(&mut self) -> bytes::Bytes {
+        let version = self.roster.version();
+        if let Some((_, value)) = self.last.as_ref().filter(|(at, _)| *at == version) {
+            return value.clone();
+        }
+        let mut report = ReplicaReport { name: self.name.clone(), instances: self.roster.entries() };
+        let mut value = serde_json::to_vec(&report).unwrap_or_default();
+        // An entry too large for one message would not be written at all,
+        // and a replica unheard of counts as dead: it is announced without
+        // its instances (group views then lack them) rather than not at all.
+        if value.len() > self.max_entry {
+            if !std::mem::replace(&mut self.warned, true) {
+                tracing::warn!(
+                    instances = report.instances.len(),
+                    bytes = value.len(),
+                    max = self.max_entry,
+                    "this replica's roster does not fit in one NATS message; announcing it without its instances"
+                );
+            }
+            report.instances.clear();
+            value = serde_json::to_vec(&report).unwrap_or_default();
+        }
+        let value = bytes::Bytes::from(value);
+        self.last = Some((version, value.clone()));
+        value
+    }
+}
+
 async fn next_entry(watch: &mut Option<kv::Watch>) -> Option<kv::Entry> {
     match watch {
         Some(watch) => watch.next().await.and_then(Result::ok),
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::member_ref::{MemberRef, Owner};
+    use crate::names::{GroupName, MemberName, StreamName};
+
+    fn member(n: usize) -> MemberRef {
+        MemberRef {
+            stream: StreamName::parse("S").unwrap(),
+            group: GroupName::parse("g").unwrap(),
+            member: MemberName::parse(&format!("m{n}")).unwrap(),
+            owner: Owner::Group,
+        }
+    }
+
+    fn read(value: &[u8]) -> ReplicaReport {
+        serde_json::from_slice(value).unwrap()
+    }
+
+    #[test]
+    fn an_unchanged_roster_is_announced_with_the_same_bytes_and_a_change_anew() {
+        let roster = Arc::new(Roster::default());
+        roster.set_pin(&member(1), 1, None, None);
+        let mut announcement = Announcement::new("kg-1".into(), roster.clone(), 1 << 20);
+        let first = announcement.value();
+        assert_eq!(announcement.value().as_ptr(), first.as_ptr(), "not serialized again");
+        roster.set_pin(&member(1), 1, Some("p"), Some(4));
+        let second = read(&announcement.value());
+        assert_eq!(second.name, "kg-1");
+        assert_eq!(second.instances.len(), 1);
+        assert_eq!(second.instances[0].report.pin.as_deref(), Some("p"));
+    }
+
+    #[test]
+    fn a_roster_too_large_for_a_message_is_announced_without_its_instances() {
+        let roster = Arc::new(Roster::default());
+        for n in 0..20 {
+            roster.set_pin(&member(n), 1, None, None);
+        }
+        let mut announcement = Announcement::new("kg-1".into(), roster, 500);
+        let report = read(&announcement.value());
+        assert_eq!(report.name, "kg-1", "the replica itself is still announced");
+        assert!(report.instances.is_empty());
     }
 }
