@@ -194,8 +194,8 @@ impl Session {
             return SessionEnd::ConsumerGone;
         };
         // The loop's waits live across its turns: a turn that is a pull's
-        // renewal does not sign up again with every channel and timer (the
-        // bulk of an idle instance's cost, a thousand of them per replica).
+        // renewal does not sign up again with every channel and timer (a
+        // visible share of an idle replica's CPU, with a thousand instances).
         let (mut control, mut updates, mut settings, mut pauses) = (
             BroadcastStream::new(control),
             BroadcastStream::new(updates),
@@ -449,8 +449,6 @@ impl Session {
     }
 }
 
-/// Resolves when the pin ledger says this replica may have room for
-/// another of the group's pins; never once the ledger is gone.
 /// A broadcast stream's item as the channel's own `recv` tells it.
 fn received<T>(item: Option<Result<T, BroadcastStreamRecvError>>) -> Result<T, RecvError> {
     match item {
@@ -460,6 +458,8 @@ fn received<T>(item: Option<Result<T, BroadcastStreamRecvError>>) -> Result<T, R
     }
 }
 
+/// Resolves when the pin ledger says this replica may have room for
+/// another of the group's pins; never once the ledger is gone.
 async fn room_made(room: &mut Option<tokio::sync::watch::Receiver<()>>) {
     let Some(receiver) = room else { return std::future::pending().await };
     if receiver.changed().await.is_err() {
