@@ -76,6 +76,38 @@ async fn spread(http: &reqwest::Client, base: &str, stream: &str) -> Option<BTre
     (counts.values().sum::<usize>() == view["assignment"].as_array()?.len()).then_some(counts)
 }
 
+/// Publishes a trickle to `stream` until every member of its group is
+/// pinned and balancing has spread the pins fairly over `replicas` (or 90 s
+/// passed), then waits for the trickle to be delivered: the spread, and the
+/// messages sent.
+async fn spread_pins(
+    http: &reqwest::Client,
+    js: &jetstream::Context,
+    base: &str,
+    stream: &str,
+    replicas: usize,
+    delivered: &AtomicU64,
+) -> (BTreeMap<String, usize>, u64) {
+    let prefix = stream.to_lowercase();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let mut sent = 0;
+    let counts = loop {
+        publish_raw(js, &prefix, sent, 50).await;
+        sent += 50;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        if let Some(counts) = spread(http, base, stream).await {
+            let fair = counts.values().sum::<usize>().div_ceil(replicas);
+            if counts.len() == replicas && counts.values().all(|c| *c <= fair) || Instant::now() > deadline {
+                break counts;
+            }
+        }
+    };
+    while delivered.load(Ordering::Relaxed) < sent {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    (counts, sent)
+}
+
 /// A group of `members` webhook members over a fresh stream, on the first keygate.
 async fn group(http: &reqwest::Client, base: &str, stream: &str, members: usize, hook: &str) {
     let prefix = stream.to_lowercase();
@@ -107,23 +139,7 @@ async fn delivery(
     let prefix = stream.to_lowercase();
     let (hook, delivered) = receiver().await;
     group(http, &kgs[0].base, &stream, MEMBERS, &hook).await;
-    // A trickle gives every member a pin; balancing then spreads them.
-    let fair = MEMBERS.div_ceil(replicas);
-    let deadline = Instant::now() + Duration::from_secs(90);
-    let mut sent = 0;
-    let spread = loop {
-        publish_raw(js, &prefix, sent, 50).await;
-        sent += 50;
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        if let Some(counts) = spread(http, &kgs[0].base, &stream).await {
-            if counts.len() == replicas && counts.values().all(|c| *c <= fair) || Instant::now() > deadline {
-                break counts;
-            }
-        }
-    };
-    while delivered.load(Ordering::Relaxed) < sent {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let (spread, sent) = spread_pins(http, js, &kgs[0].base, &stream, replicas, &delivered).await;
     let started = Instant::now();
     publish_raw(js, &prefix, sent, n).await;
     while delivered.load(Ordering::Relaxed) < sent + n {
@@ -184,12 +200,14 @@ async fn group_view(
     for kg in &kgs {
         kg.wait_ready(http).await;
     }
-    let (hook, _) = receiver().await;
+    let (hook, delivered) = receiver().await;
     group(http, &kgs[0].base, "VIEW", 100, &hook).await;
-    publish_raw(js, "view", 0, 2000).await;
-    // The backlog delivered and the pins moved, then a few views per
-    // replica unmeasured (each opens its connection, its buckets).
-    tokio::time::sleep(Duration::from_secs(10)).await;
+    // Measured once the pins are spread (while the balancer still moves
+    // them, the server's consumer answers slow down, and the views with
+    // them), then after a few views per replica unmeasured (each opens its
+    // connection, its buckets).
+    spread_pins(http, js, &kgs[0].base, "VIEW", 3, &delivered).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
     for i in 0..30 {
         http.get(format!("{}/v1/streams/VIEW/groups/g", kgs[i % 3].base)).send().await.unwrap().bytes().await.unwrap();
     }
