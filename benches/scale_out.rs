@@ -6,8 +6,9 @@
 //!    consumer with one serial lane per partition doing the same work;
 //!    with the pin spread each run reached;
 //! 2. the group view's latency (`GET …/groups/{group}`) with 100 members on
-//!    3 replicas, once their pins are spread, beside the stream's consumer list the view reads, raw,
-//!    and the 100 consumer-info requests that would tell as much;
+//!    3 replicas, once their pins are spread, beside the stream's consumer
+//!    list the view reads, raw, and the 100 consumer-info requests that
+//!    would tell as much;
 //! 3. 100 groups × 10 webhook members on 3 replicas, idle: CPU per keygate
 //!    over 30 s, RSS, and at the start and end of the window its runtime
 //!    tasks and NATS subscriptions and the server's consumer count (KV
