@@ -88,9 +88,6 @@ fn pause_in(entry: Option<kv::Entry>) -> Option<Pause> {
 
 /// Pause flags read at once (a request each).
 const CONCURRENT_READS: usize = 128;
-/// How long a batched read of a group's flags may take before they are
-/// read one by one instead.
-const BATCH_READ_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The pause flags.
 #[derive(Clone)]
@@ -160,50 +157,14 @@ impl Pauses {
     }
 
     /// Every pause flag of `stream`/`group`'s members, by [`pause_key`], in
-    /// one read: the last value of every key under the group's prefix, by
-    /// one batched direct get (`multi_last`, nats-server 2.11+) instead of
-    /// a request per member. `None` when that read cannot tell (over 1,024
-    /// flags, a bucket without direct gets, no answer in time, anything
-    /// unexpected): then [`get_many`](Self::get_many) reads them one by one.
+    /// one scan of the group's keys (src/nats/kv_scan.rs) instead of a read
+    /// per member. `None` when that scan fails: then
+    /// [`get_many`](Self::get_many) reads them one by one.
     pub async fn of_group(&self, stream: &StreamName, group: &GroupName) -> Option<HashMap<String, Pause>> {
-        let Some(store) = self.open.open(&self.js, PAUSES_BUCKET).await.ok()? else {
-            return Some(HashMap::new());
-        };
-        let filter = format!("{}{}.{stream}.{group}.*", store.prefix, crate::member_ref::Owner::Group.as_str());
-        let client = self.js.client();
-        let inbox = client.new_inbox();
-        let mut answers = client.subscribe(inbox.clone()).await.ok()?;
-        let request = serde_json::to_vec(&serde_json::json!({ "multi_last": [filter] })).ok()?;
-        let subject = format!("$JS.API.DIRECT.GET.{}", store.stream_name);
-        client.publish_with_reply(subject, inbox, request.into()).await.ok()?;
-        let read = async {
-            let mut flags = HashMap::new();
-            while let Some(answer) = answers.next().await {
-                match answer.status.map(|s| s.as_u16()) {
-                    None | Some(200) => {
-                        let headers = answer.headers.as_ref()?;
-                        let key = headers.get("Nats-Subject")?.as_str().strip_prefix(store.prefix.as_str())?;
-                        let deleted =
-                            headers.get("KV-Operation").is_some_and(|op| matches!(op.as_str(), "DEL" | "PURGE"))
-                                || headers.get("Nats-Marker-Reason").is_some();
-                        // A flag that does not parse counts as none, as one read alone.
-                        if let (false, Ok(pause)) = (deleted, serde_json::from_slice::<Pause>(&answer.payload)) {
-                            flags.insert(key.to_owned(), pause);
-                        }
-                    }
-                    // The end of the batch, all of it sent.
-                    Some(204) => {
-                        let pending = answer.headers.as_ref().and_then(|h| h.get("Nats-Num-Pending"));
-                        return pending.is_none_or(|n| n.as_str() == "0").then_some(flags);
-                    }
-                    // No flag under the prefix.
-                    Some(404) if answer.description.as_deref() == Some("No Results") => return Some(flags),
-                    _ => return None,
-                }
-            }
-            None
-        };
-        tokio::time::timeout(BATCH_READ_WAIT, read).await.ok().flatten()
+        let filter = format!("{}.{stream}.{group}.*", crate::member_ref::Owner::Group.as_str());
+        let flags = self.open.live_entries(&self.js, PAUSES_BUCKET, &filter).await.ok()?;
+        // A flag that does not parse counts as none, as one read alone.
+        Some(flags.into_iter().filter_map(|(key, value)| Some((key, serde_json::from_slice(&value).ok()?))).collect())
     }
 
     /// Pauses `who`; a member already paused keeps its first pause, which

@@ -7,10 +7,9 @@
 
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream::{self, kv};
-use futures::TryStreamExt;
-
 use crate::nats::buckets::expiring_bucket;
+use crate::nats::kv_scan::live_entries;
+use async_nats::jetstream::{self, kv};
 
 /// Where instances announce themselves; entries live this long unrenewed.
 const PRESENCE_BUCKET: &str = "keygate-presence";
@@ -60,15 +59,16 @@ impl WindowShare {
             tracing::debug!(error = %e, "shuffle window: announcing failed");
             return;
         }
-        let keys = match store.keys().await {
-            Ok(keys) => keys.try_collect::<Vec<String>>().await,
+        // Without a consumer per count (src/nats/kv_scan.rs): one every
+        // renewal per instance would linger on the server for 30 s each.
+        let announced = match live_entries(&self.js, &store, &format!("{}*", self.prefix)).await {
+            Ok(announced) => announced,
             Err(e) => {
                 tracing::debug!(error = %e, "shuffle window: listing failed");
                 return;
             }
         };
-        let Ok(keys) = keys else { return };
-        let instances = keys.iter().filter(|k| k.starts_with(&self.prefix)).count().max(1) as u64;
+        let instances = announced.len().max(1) as u64;
         let fair = max_window / instances;
         tracing::debug!(instances, fair, share = self.share, "shuffle window share");
         if fair < self.share {

@@ -539,22 +539,17 @@ impl WebhookStore {
         }
     }
 
-    /// Removes every registration whose key starts with `prefix` (a deleted
-    /// consumer's subscribers).
+    /// Removes every registration whose key lies under `prefix`, which ends
+    /// in a dot (a deleted consumer's subscribers: `{stream}.{consumer}.`).
     pub async fn delete_prefixed(&self, prefix: &str) -> Result<usize, Error> {
         let store = match self.js.get_key_value(self.bucket).await {
             Ok(store) => store,
             Err(e) if is_not_found(&e) => return Ok(0),
             Err(e) => return Err(unavailable_or_internal("reading webhooks", e)),
         };
-        let keys: Vec<String> = match store.keys().await {
-            Ok(keys) => futures::TryStreamExt::try_collect(keys)
-                .await
-                .map_err(|e| unavailable_or_internal("listing webhooks", e))?,
-            Err(e) => return Err(unavailable_or_internal("listing webhooks", e)),
-        };
+        let registered = crate::nats::kv_scan::live_entries(&self.js, &store, &format!("{prefix}>")).await?;
         let mut removed = 0;
-        for key in keys.into_iter().filter(|k| k.starts_with(prefix)) {
+        for (key, _) in registered {
             store.delete(&key).await.map_err(|e| unavailable_or_internal("deleting webhook", e))?;
             removed += 1;
         }

@@ -4,7 +4,6 @@
 
 use async_nats::jetstream::{self, kv, stream};
 use bytes::Bytes;
-use futures::TryStreamExt;
 use serde::{Deserialize, Serialize};
 
 use super::config::{config_key, go_json, validate_membership, ELASTIC_BUCKET, STATIC_BUCKET};
@@ -172,36 +171,37 @@ impl GroupAdmin {
     pub async fn list(&self, stream: &StreamName) -> Result<Vec<GroupSummary>, Error> {
         self.stream_info(stream.as_str()).await?;
         let mut out: Vec<GroupSummary> = self
-            .list_all()
+            .groups_under(&format!("{stream}.*"))
             .await?
             .into_iter()
-            .filter(|(s, _, _)| s == stream)
             .map(|(_, group, kind)| GroupSummary { group: group.to_string(), kind })
             .collect();
         out.sort_by(|a, b| a.group.cmp(&b.group));
         Ok(out)
     }
 
-    /// Every group on every stream, by the keys of both configuration buckets.
+    /// Every group on every stream.
     pub async fn list_all(&self) -> Result<Vec<(StreamName, GroupName, GroupKind)>, Error> {
-        let mut out = Vec::new();
-        for (kind, bucket) in [(GroupKind::Static, STATIC_BUCKET), (GroupKind::Elastic, ELASTIC_BUCKET)] {
-            let Some(store) = self.bucket(bucket).await? else { continue };
-            let keys: Vec<String> = store
-                .keys()
-                .await
-                .map_err(|e| unavailable_or_internal("listing groups", e))?
-                .try_collect()
-                .await
-                .map_err(|e| unavailable_or_internal("listing groups", e))?;
-            for key in keys {
-                let Some((s, g)) = key.split_once('.') else { continue };
-                if let (Ok(stream), Ok(group)) = (StreamName::parse(s), GroupName::parse(g)) {
-                    out.push((stream, group, kind));
-                }
-            }
-        }
-        Ok(out)
+        self.groups_under(">").await
+    }
+
+    /// The groups whose configuration keys match `key_filter`, by the live
+    /// keys of both configuration buckets, read without a consumer: a
+    /// listing per request must not leave one behind on keygate's own
+    /// buckets (src/nats/kv_scan.rs).
+    async fn groups_under(&self, key_filter: &str) -> Result<Vec<(StreamName, GroupName, GroupKind)>, Error> {
+        let (statics, elastics) = futures::try_join!(
+            self.open.live_entries(&self.js, STATIC_BUCKET, key_filter),
+            self.open.live_entries(&self.js, ELASTIC_BUCKET, key_filter),
+        )?;
+        let keys = statics.into_iter().map(|(key, _)| (key, GroupKind::Static));
+        let keys = keys.chain(elastics.into_iter().map(|(key, _)| (key, GroupKind::Elastic)));
+        Ok(keys
+            .filter_map(|(key, kind)| {
+                let (s, g) = key.split_once('.')?;
+                Some((StreamName::parse(s).ok()?, GroupName::parse(g).ok()?, kind))
+            })
+            .collect())
     }
 }
 

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
+use bytes::Bytes;
 
 use super::errors::{is_not_found, unavailable_or_internal};
 use crate::error::Error;
@@ -74,8 +75,7 @@ impl OpenBuckets {
         what: &str,
     ) -> Result<Option<kv::Entry>, Error> {
         let read = async || -> Result<Option<kv::Entry>, Error> {
-            let opened = self.open(js, name).await.map_err(|e| unavailable_or_internal("reading KV bucket", e))?;
-            let Some(store) = opened else { return Ok(None) };
+            let Some(store) = self.opened(js, name).await? else { return Ok(None) };
             store.entry(key).await.map_err(|e| unavailable_or_internal(what, e))
         };
         match read().await {
@@ -85,6 +85,32 @@ impl OpenBuckets {
                 read().await
             }
         }
+    }
+
+    /// The live entries of bucket `name` whose keys match `key_filter`
+    /// (none when the bucket does not exist), read without a consumer
+    /// (src/nats/kv_scan.rs); retried once afresh as [`entry`](Self::entry) is.
+    pub async fn live_entries(
+        &self,
+        js: &jetstream::Context,
+        name: &'static str,
+        key_filter: &str,
+    ) -> Result<Vec<(String, Bytes)>, Error> {
+        let scan = async || -> Result<Vec<(String, Bytes)>, Error> {
+            let Some(store) = self.opened(js, name).await? else { return Ok(Vec::new()) };
+            super::kv_scan::live_entries(js, &store, key_filter).await
+        };
+        match scan().await {
+            Ok(entries) => Ok(entries),
+            Err(_) => {
+                self.forget(name);
+                scan().await
+            }
+        }
+    }
+
+    async fn opened(&self, js: &jetstream::Context, name: &'static str) -> Result<Option<kv::Store>, Error> {
+        self.open(js, name).await.map_err(|e| unavailable_or_internal("reading KV bucket", e))
     }
 
     /// Drops `name`'s handle: the next [`open`](Self::open) asks the server.

@@ -553,3 +553,66 @@ async fn a_stream_with_groups_is_only_deleted_with_cascade() {
     assert!(app.js.get_stream("EV-g").await.is_err(), "the group's work-queue stream went too");
     assert!(app.kv_raw("elastic-consumer-groups", "EV.g").await.is_none());
 }
+
+/// Listing groups reads the configuration buckets without a consumer per
+/// request (src/nats/kv_scan.rs): each listing through `keys()` left an
+/// ephemeral consumer on keygate's own bucket for 30 s, so fast listings
+/// made the server refuse new consumers and lists answer 500.
+#[tokio::test]
+async fn listing_groups_thousands_of_times_leaves_no_consumer_and_lists_past_a_thousand_groups() {
+    let app = TestApp::start().await;
+    stamped_stream(&app, 4).await;
+    app.create_stream("EV", json!({"subjects":["ev.*"]})).await;
+    let (status, _) = app.put("/v1/streams/ORDERS/groups/fulfil", json!({"kind":"static","partitions":4})).await;
+    assert_eq!(status, 201);
+    let elastic = json!({"kind":"elastic","partitions":4,"partitioning_filters":[{"filter":"ev.*","wildcards":[1]}]});
+    let (status, _) = app.put("/v1/streams/EV/groups/billing", elastic).await;
+    assert_eq!(status, 201);
+
+    // Over the 1,024 subjects one batched direct get may match, some deleted
+    // or purged since (their markers are no group), written as pcgroups does.
+    app.create_stream("MANY", json!({"subjects":["many.*"],"partitions":4})).await;
+    let statics = app.js.get_key_value("static-consumer-groups").await.unwrap();
+    for i in 0..1_100 {
+        statics.put(format!("MANY.g{i:04}"), r#"{"max_members":4,"members":["m"]}"#.into()).await.unwrap();
+    }
+    statics.delete("MANY.g0007").await.unwrap();
+    statics.purge("MANY.g1099").await.unwrap();
+    let (status, many) = app.get("/v1/streams/MANY/groups").await;
+    assert_eq!(status, 200, "{many}");
+    let many: Vec<&str> = many.as_array().unwrap().iter().map(|g| g["group"].as_str().unwrap()).collect();
+    let expected: Vec<String> = (0..1_099).filter(|i| *i != 7).map(|i| format!("g{i:04}")).collect();
+    assert_eq!(many, expected, "every live key, sorted, none of the deleted or purged");
+
+    let consumers = async |bucket: &str| {
+        let mut stream = app.js.get_stream(format!("KV_{bucket}")).await.unwrap();
+        stream.info().await.unwrap().state.consumer_count
+    };
+    // keygate's one configuration watch per bucket (src/member/config_watch.rs), nothing else.
+    let watches = (1, 1);
+    eventually(Duration::from_secs(10), || async {
+        let now = (consumers("static-consumer-groups").await, consumers("elastic-consumer-groups").await);
+        (now == watches).then_some(())
+    })
+    .await;
+    let app = &app;
+    let lists = futures::stream::iter(0..2_000)
+        .map(|i| app.get(if i % 2 == 0 { "/v1/streams/ORDERS/groups" } else { "/v1/streams/EV/groups" }))
+        .buffer_unordered(8)
+        .collect::<Vec<_>>()
+        .await;
+    for (status, list) in &lists {
+        assert_eq!(*status, 200, "{list}");
+        let one = list.as_array().unwrap();
+        assert_eq!(one.len(), 1, "{list}");
+    }
+    let after = (consumers("static-consumer-groups").await, consumers("elastic-consumer-groups").await);
+    assert_eq!(after, watches, "no listing left a consumer on the configuration buckets");
+
+    let (status, _) = app.put("/v1/streams/ORDERS/groups/ship", json!({"kind":"static","partitions":4})).await;
+    assert_eq!(status, 201);
+    let (_, list) = app.get("/v1/streams/ORDERS/groups").await;
+    assert_eq!(list, json!([{"group":"fulfil","kind":"static"},{"group":"ship","kind":"static"}]));
+    let (_, list) = app.get("/v1/streams/EV/groups").await;
+    assert_eq!(list, json!([{"group":"billing","kind":"elastic"}]));
+}
