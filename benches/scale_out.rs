@@ -14,7 +14,8 @@
 //!    tasks and NATS subscriptions and the server's consumer count (KV
 //!    watches are consumers too); once for members that never had a
 //!    message (`idle`), once for members quiet after traffic, each pinned
-//!    on one replica (`quiet`).
+//!    on one replica (`quiet`); after each window, the dashboard's refresh
+//!    of the 100 groups.
 //!
 //! `cargo bench --bench scale_out` (env `KEYGATE_BENCH_MESSAGES`, default 12000;
 //! `KEYGATE_BENCH_PARTS`, default `delivery,view,idle,quiet`).
@@ -27,7 +28,7 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream;
 use axum::Router;
 use bytes::Bytes;
-use futures::TryStreamExt as _;
+use futures::{StreamExt as _, TryStreamExt as _};
 use serde_json::{json, Value};
 
 use keygate_testkit as support;
@@ -243,6 +244,52 @@ async fn group_view(
     (p50_p99(keygate), p50_p99(listed), p50_p99(raw))
 }
 
+/// Refreshes of the dashboard's groups tab measured: the median and the slowest.
+const DASHBOARD_REFRESHES: usize = 20;
+
+/// What one refresh of the dashboard's groups tab asks (`refresh` in
+/// src/http/dashboard.html): the streams, each stream's groups, then every
+/// group's view, six requests in flight at once as the page keeps them.
+/// Median and slowest of [`DASHBOARD_REFRESHES`], in ms.
+async fn dashboard_refreshes(http: &reqwest::Client, base: &str, groups: usize) -> [f64; 2] {
+    let get = |path: String| {
+        let url = format!("{base}{path}");
+        async move { http.get(url).send().await.unwrap().error_for_status().unwrap().json::<Value>().await.unwrap() }
+    };
+    let mut took = Vec::new();
+    for _ in 0..DASHBOARD_REFRESHES {
+        let started = Instant::now();
+        let streams = get("/v1/streams".to_owned()).await;
+        let names: Vec<String> =
+            streams.as_array().unwrap().iter().map(|s| s["name"].as_str().unwrap().to_owned()).collect();
+        let listed: Vec<(String, Value)> = futures::stream::iter(names)
+            .map(|stream| {
+                let groups = get(format!("/v1/streams/{stream}/groups"));
+                async move { (stream, groups.await) }
+            })
+            .buffered(6)
+            .collect()
+            .await;
+        let views: Vec<String> = listed
+            .iter()
+            .flat_map(|(stream, groups)| {
+                groups.as_array().unwrap().iter().map(move |g| {
+                    format!(
+                        "/v1/streams/{stream}/groups/{}?kind={}",
+                        g["group"].as_str().unwrap(),
+                        g["kind"].as_str().unwrap()
+                    )
+                })
+            })
+            .collect();
+        assert_eq!(views.len(), groups);
+        let _: Vec<Value> = futures::stream::iter(views).map(get).buffered(6).collect().await;
+        took.push(started.elapsed().as_secs_f64() * 1000.0);
+    }
+    took.sort_by(f64::total_cmp);
+    [percentile(&took, 0.5), took[took.len() - 1]]
+}
+
 /// What one keygate costs idle: CPU (% of a core) over the window, RSS
 /// (MiB), and at the start and end of the window its runtime tasks and
 /// the subscriptions its NATS connection holds at the server.
@@ -251,6 +298,16 @@ struct IdleCost {
     rss: f64,
     tasks: [f64; 2],
     subscriptions: [u64; 2],
+}
+
+/// One run of [`idle_members`]: each keygate's cost, the server's consumers
+/// at the window's start and end, each keygate's pins, and the dashboard's
+/// refresh (median and slowest, ms).
+struct IdleRun {
+    costs: Vec<IdleCost>,
+    consumers: [u64; 2],
+    pins: Vec<usize>,
+    dashboard: [f64; 2],
 }
 
 /// Subscriptions per keygate connection (named `keygate <instance id>`)
@@ -271,11 +328,12 @@ async fn server_counts(http: &reqwest::Client, monitor: u16) -> (BTreeMap<String
 /// 1,000 idle webhook members (100 groups × 10) on 3 replicas, against a
 /// nats-server of their own whose monitoring endpoint counts subscriptions
 /// and consumers: the cost per keygate, the server's consumers at the start
-/// and end of the window, and the pins each keygate holds. `after_traffic`:
+/// and end of the window, the pins each keygate holds, and after the window
+/// the dashboard's refresh over the 100 groups. `after_traffic`:
 /// every member gets messages first, so each holds a pin and the pins are
 /// spread (members in use, now quiet); else no member ever had one (every
 /// instance of every member pulls as a standby).
-async fn idle_members(http: &reqwest::Client, after_traffic: bool) -> (Vec<IdleCost>, [u64; 2], Vec<usize>) {
+async fn idle_members(http: &reqwest::Client, after_traffic: bool) -> IdleRun {
     let monitor = support::free_port();
     let server = support::NatsServer::start_with(&["-m", &monitor.to_string()]);
     let nats = NatsEndpoint::open(&server.url());
@@ -323,7 +381,8 @@ async fn idle_members(http: &reqwest::Client, after_traffic: bool) -> (Vec<IdleC
             subscriptions: [subs_before.get(&name).copied().unwrap_or(0), subs_after.get(&name).copied().unwrap_or(0)],
         });
     }
-    (costs, [consumers_before, consumers_after], pins)
+    let dashboard = dashboard_refreshes(http, &kgs[0].base, 100).await;
+    IdleRun { costs, consumers: [consumers_before, consumers_after], pins, dashboard }
 }
 
 #[tokio::main]
@@ -370,7 +429,7 @@ async fn main() -> anyhow::Result<()> {
         if !part(name) {
             continue;
         }
-        let (costs, consumers, pins) = idle_members(&http, after_traffic).await;
+        let IdleRun { costs, consumers, pins, dashboard } = idle_members(&http, after_traffic).await;
         let state = if after_traffic { "quiet after traffic, pins spread" } else { "never had a message, no pins" };
         for (i, c) in costs.iter().enumerate() {
             println!(
@@ -381,6 +440,10 @@ async fn main() -> anyhow::Result<()> {
         println!(
             "| {name}: the server's consumers (members' and KV watches') at the window's start → end | | {} → {} | | no growth |",
             consumers[0], consumers[1]
+        );
+        println!(
+            "| {name}: a dashboard refresh of the 100 groups (streams, their groups, every view; 6 requests at once, as the page), median / slowest of {DASHBOARD_REFRESHES} | | {:.0} / {:.0} ms | | within the page's 2 s period |",
+            dashboard[0], dashboard[1]
         );
     }
     server.stop().await;
