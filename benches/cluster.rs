@@ -48,7 +48,8 @@ async fn measure(http: &reqwest::Client, nats: &NatsEndpoint, replicas: u32, n: 
     kg.wait_ready(http).await;
     let base = kg.base.clone();
     let stream = json!({"subjects":["bench.*"],"partitions":PARTITIONS,"replicas":replicas});
-    put(http, format!("{base}/v1/streams/BENCH"), stream).await;
+    // A just-formed cluster may answer 503 until its meta leader settles.
+    kg.put_until_stored(http, "/v1/streams/BENCH", &stream).await;
 
     let started = Instant::now();
     let batches: Vec<u64> = (0..n).step_by(BATCH as usize).collect();

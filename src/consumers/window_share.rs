@@ -7,9 +7,10 @@
 
 use std::time::{Duration, Instant};
 
+use async_nats::jetstream::{self, kv};
+
 use crate::nats::buckets::expiring_bucket;
 use crate::nats::kv_scan::live_entries;
-use async_nats::jetstream::{self, kv};
 
 /// Where instances announce themselves; entries live this long unrenewed.
 const PRESENCE_BUCKET: &str = "keygate-presence";
