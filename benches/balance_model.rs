@@ -1,6 +1,6 @@
 //! Pin balancing at a scale this machine cannot run as processes: 30
 //! replicas × 3,000 webhook members of one group, simulated in 50 ms steps
-//! with keygate's own rules (`member/balance.rs`: the fair share, which
+//! with keygate's own rules (`cluster/balance.rs`: the fair share, which
 //! pins step down, the tenure and the hold) and a model of the rest:
 //!
 //! - every replica runs an instance of every member; an instance keeps a
@@ -30,10 +30,10 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use keygate::member::balance::{fair_share, to_step_down, MIN_TENURE, ROOM_RECHECK, STEP_DOWN_HOLD};
-use keygate::member::join::{pinned_ttl, pull_expiry, standby_pull_expiry};
-use keygate::member::replicas::RECENT;
+use keygate::cluster::balance::{fair_share, to_step_down, MIN_TENURE, ROOM_RECHECK, STEP_DOWN_HOLD};
+use keygate::cluster::replicas::RECENT;
 use keygate::names::MemberName;
+use keygate::runtime::join::{pinned_ttl, pull_expiry, standby_pull_expiry};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::time::Instant;

@@ -14,9 +14,9 @@ use crate::auth::Verifier;
 use crate::delivery::webhook::{WebhookClient, WebhookStore};
 use crate::events::EventBus;
 use crate::groups::GroupAdmin;
-use crate::member::context::InstanceContext;
 use crate::nats::connect::{connect, jetstream};
 use crate::nats::embedded::EmbeddedServer;
+use crate::runtime::context::InstanceContext;
 use crate::settings::{NatsTarget, Settings};
 use crate::streams::Streams;
 
@@ -45,7 +45,7 @@ pub struct AppState {
     /// WebSocket member connections, awaited at shutdown.
     pub connections: tokio_util::task::TaskTracker,
     /// Pull clients' instances on this replica (set once keygate is connected).
-    pub pulls: Option<crate::pull_instances::PullInstances>,
+    pub pulls: Option<crate::runtime::pull_instances::PullInstances>,
     /// WebSocket connections open per member or subscriber, capped.
     pub sockets_per_member: crate::http::ws::SocketCounts,
     /// Verifies bearer tokens; `None` runs the API open.
@@ -131,31 +131,31 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
         events: state.events.clone(),
         webhooks: WebhookClient::new(Arc::new(state.settings.destinations.clone()))?,
         webhook_store: state.webhooks.clone(),
+        consumer_webhook_store: state.consumer_webhooks.clone(),
         groups: state.groups.clone(),
         pauses: state.pauses.clone(),
-        instance_id: state
-            .settings
-            .instance_id
-            .clone()
-            .unwrap_or_else(|| format!("keygate-{}", nats.new_inbox().rsplit('.').next().unwrap_or("0"))),
+        cluster: crate::cluster::Cluster::new(
+            state
+                .settings
+                .instance_id
+                .clone()
+                .unwrap_or_else(|| format!("keygate-{}", nats.new_inbox().rsplit('.').next().unwrap_or("0"))),
+            state.settings.pin_balance_slack,
+        ),
         hold_cap: state.settings.hold_cap,
         shutdown_grace: state.settings.delivery_grace,
-        config_watch: crate::member::config_watch::ConfigWatch::new(state.js.clone()),
+        config_watch: crate::runtime::config_watch::ConfigWatch::new(state.js.clone()),
         subscriptions: crate::nats::shared::SharedSubscriptions::new(
             nats.clone(),
-            &[crate::member::control::CONTROL_PREFIX],
+            &[crate::cluster::control::CONTROL_PREFIX],
         ),
         outbox: crate::nats::outbox::Outbox::start(nats.clone()),
         connections,
         configs: Default::default(),
-        pins: Default::default(),
-        replicas: Default::default(),
-        roster: Default::default(),
-        balance_slack: state.settings.pin_balance_slack,
     });
     state.instances = Some(instances.clone());
     // Pull instances finish like WebSocket connections: after the HTTP drain.
-    let pulls = crate::pull_instances::PullInstances::start(
+    let pulls = crate::runtime::pull_instances::PullInstances::start(
         instances.clone(),
         state.settings.pull_max_instances,
         state.connections.clone(),
@@ -170,23 +170,23 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
     // Members wind down as soon as shutdown starts, beside the HTTP drain.
     let members_token = shutdown.child_token();
     // Replicas know each other and share the webhook members' pins.
-    let replicas = tokio::spawn(instances.replicas.clone().run(
+    let replicas = tokio::spawn(instances.cluster.replicas.clone().run(
         state.js.clone(),
-        instances.instance_id.clone(),
-        instances.roster.clone(),
+        instances.cluster.instance_id.clone(),
+        instances.cluster.roster.clone(),
         members_token.clone(),
     ));
-    let balancer = tokio::spawn(crate::member::rebalance::run_balancer(
-        instances.clone(),
-        state.settings.pin_balance_slack,
+    let balancer = tokio::spawn(crate::cluster::rebalance::run_balancer(
+        instances.cluster.clone(),
+        nats.clone(),
         members_token.clone(),
     ));
-    // One replica of the cluster samples and watches for all (src/lease.rs).
-    let holder = instances.instance_id.clone();
-    let members = tokio::spawn(crate::supervisor::supervise(instances, members_token.clone()));
+    // One replica of the cluster samples and watches for all (src/cluster/lease.rs).
+    let holder = instances.cluster.instance_id.clone();
+    let members = tokio::spawn(crate::runtime::supervisor::supervise(instances, members_token.clone()));
     let backlog = state.settings.backlog_sample_interval.map(|every| {
         let (groups, nats) = (state.groups.clone(), nats.clone());
-        tokio::spawn(crate::lease::run_as_singleton(
+        tokio::spawn(crate::cluster::lease::run_as_singleton(
             state.js.clone(),
             "backlog-sampler",
             holder.clone(),
@@ -195,7 +195,7 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
         ))
     });
     let (groups, js) = (state.groups.clone(), state.js.clone());
-    let source_watch = tokio::spawn(crate::lease::run_as_singleton(
+    let source_watch = tokio::spawn(crate::cluster::lease::run_as_singleton(
         state.js.clone(),
         "source-watchdog",
         holder,

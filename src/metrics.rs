@@ -50,7 +50,7 @@ pub const WS_CONNECTIONS: &str = "keygate_websocket_connections";
 pub const PULL_INSTANCES: &str = "keygate_pull_instances";
 /// 1 while this keygate holds the lease of a singleton duty (label `duty`), else 0.
 pub const SINGLETON_HELD: &str = "keygate_singleton_held";
-/// Pins a replica stepped down because it held more than its share of a group's (member/balance.rs).
+/// Pins a replica stepped down because it held more than its share of a group's (cluster/balance.rs).
 pub const PIN_REBALANCES: &str = "keygate_pin_rebalances_total";
 /// Step-downs keygate asked of an elastic group's work-queue stream whose source stayed inactive.
 pub const SOURCE_RESTARTS: &str = "keygate_source_restarts_total";

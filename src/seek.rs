@@ -20,11 +20,11 @@ use crate::groups::config::ownership;
 use crate::groups::spec::consumer_of;
 use crate::groups::store::DEFAULT_ACK_WAIT_MS;
 use crate::groups::{GroupAdmin, GroupKind};
-use crate::member::join::member_config;
 use crate::member_ref::{MemberRef, Owner};
 use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
 use crate::nats::errors::{is_not_found, stream_read_error, unavailable_or_internal};
 use crate::pauses::{Pause, Pauses};
+use crate::runtime::join::member_config;
 
 /// How long a seek waits for the members' instances to let go of their
 /// consumers before it makes them again anyway (an instance still holding

@@ -5,10 +5,6 @@
 //! `subscriber.rs`, the shuffle window in `shuffle_window.rs` and
 //! `window_share.rs`.
 
-pub mod shuffle_window;
-pub mod subscriber;
-pub mod window_share;
-
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer};

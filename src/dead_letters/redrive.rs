@@ -41,7 +41,7 @@ async fn redrive(
         return Ok(RedriveOutcome { redriven, earlier: true });
     }
     let stream = StreamName::parse(&letter.stream).map_err(|e| Error::Invalid(e.to_string()))?;
-    if let Some(why) = publish::reserved_stream_name(stream.as_str()) {
+    if let Some(why) = crate::streams::reserved_stream_name(stream.as_str()) {
         return Err(Error::Reserved(why));
     }
     let shape = streams.shape(&stream).await?;

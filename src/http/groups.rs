@@ -7,13 +7,13 @@ use utoipa::{IntoParams, ToSchema};
 
 use super::extract::{Json, OptionalJson, Path, Query};
 use crate::app::AppState;
+use crate::cluster::control::{ask, BlockedPartition, Control};
 use crate::groups::admin::PutOutcome;
 use crate::groups::config::MemberMapping;
 use crate::groups::spec::Mapping;
 use crate::groups::view::{GroupSummary, GroupView, MembershipView};
 use crate::groups::{GroupKind, GroupSettings, GroupSpec};
 use crate::http::problem::{ApiError, Problem};
-use crate::member::control::{ask, BlockedPartition, Control};
 use crate::member_ref::MemberRef;
 use crate::names::{GroupName, MemberName, StreamName};
 
@@ -95,7 +95,7 @@ pub async fn get_group(
     Query(query): Query<KindQuery>,
 ) -> Result<Json<GroupView>, ApiError> {
     use crate::status::observe::{observe, Instances};
-    let instances = state.instances.as_ref().map_or(Instances::RollCall, |ctx| Instances::Live(&ctx.replicas));
+    let instances = state.instances.as_ref().map_or(Instances::RollCall, |ctx| Instances::Live(&ctx.cluster.replicas));
     let view = observe(&state.groups, &state.nats, &stream, &group, query.kind, instances).await?;
     Ok(Json(view))
 }

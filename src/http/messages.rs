@@ -299,7 +299,7 @@ async fn store_batch(
 /// The stream's shape, once its name is known not to be reserved (refused
 /// before the lookup, whether or not such a stream exists).
 async fn publishable_shape(state: &AppState, stream: &StreamName) -> Result<std::sync::Arc<StreamShape>, Error> {
-    if let Some(why) = publish::reserved_stream_name(stream.as_str()) {
+    if let Some(why) = crate::streams::reserved_stream_name(stream.as_str()) {
         return Err(Error::Reserved(why));
     }
     state.streams.shape(stream).await

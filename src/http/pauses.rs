@@ -93,7 +93,7 @@ async fn pause(
     let asked = Pause::by(by.clone(), reason);
     let (pause, new) = state.pauses.pause(&who, asked).await?;
     if new {
-        let instance = state.instances.as_ref().map_or("keygate", |i| i.instance_id.as_str());
+        let instance = state.instances.as_ref().map_or("keygate", |i| i.cluster.instance_id.as_str());
         let about = crate::events::About { who: &who, instance };
         state.events.emit(Event::member_paused(about, &by, pause.reason.as_deref()));
     }
@@ -103,7 +103,7 @@ async fn pause(
 async fn resume(state: &AppState, who: MemberRef, caller: Option<&Caller>) -> Result<Json<PauseState>, ApiError> {
     let lifted = state.pauses.resume(&who).await?;
     if lifted.is_some() {
-        let instance = state.instances.as_ref().map_or("keygate", |i| i.instance_id.as_str());
+        let instance = state.instances.as_ref().map_or("keygate", |i| i.cluster.instance_id.as_str());
         let about = crate::events::About { who: &who, instance };
         state.events.emit(Event::member_resumed(about, &actor(caller)));
     }

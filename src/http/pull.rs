@@ -17,9 +17,9 @@ use crate::delivery::frames::ClientFrame;
 use crate::delivery::pull::{replica_of, PulledMessage};
 use crate::delivery::webhook::{check_max_in_flight, MAX_RETRY_AFTER};
 use crate::http::problem::{ApiError, Problem};
-use crate::member::join::pinned_ttl;
 use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
-use crate::pull_instances::{PullInstance, PullInstances, PullTarget, SettleFailure, StartOptions};
+use crate::runtime::join::pinned_ttl;
+use crate::runtime::pull_instances::{PullInstance, PullInstances, PullTarget, SettleFailure, StartOptions};
 
 /// Most messages one fetch returns, and most verdicts one `acks` request carries.
 const MAX_BATCH: usize = 1000;

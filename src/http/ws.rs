@@ -17,15 +17,14 @@ use utoipa::IntoParams;
 
 use super::extract::{Path, Query};
 use crate::app::AppState;
-use crate::consumers::subscriber::{serve_consumer, ConsumerTarget};
 use crate::delivery::endpoint::Endpoint;
 use crate::delivery::frames::{ClientFrame, ServerFrame};
 use crate::delivery::webhook::Backoff;
 use crate::delivery::websocket::SocketEndpoint;
 use crate::http::problem::{ApiError, Problem};
-use crate::member::instance::serve_member;
-use crate::member_ref::MemberRef;
 use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
+use crate::runtime::instance::serve;
+use crate::runtime::target::Target;
 
 /// The subprotocol keygate speaks (offered by clients that also pass their
 /// token as a `bearer.<jwt>` subprotocol).
@@ -83,12 +82,11 @@ pub async fn join_member(
     let instances = state.instances.clone().ok_or_else(|| ApiError::Unavailable("keygate is starting".into()))?;
     let limit = state.settings.ws_max_connections_per_member;
     let slot = state.sockets_per_member.take(format!("member {stream}/{group}/{member}"), limit)?;
-    let who = MemberRef { stream, group, member, owner: Default::default() };
+    let events_of = crate::events::subject_filter(Some(stream.as_str()), Some(group.as_str()), Some(member.as_str()));
+    let target = Target::member(stream, group, member);
     let connections = state.connections.clone();
-    let events_of =
-        crate::events::subject_filter(Some(who.stream.as_str()), Some(who.group.as_str()), Some(who.member.as_str()));
     Ok(upgrade.on_upgrade(move |socket| {
-        let run: Runner = Box::new(move |endpoint, cancel| Box::pin(serve_member(instances, who, endpoint, cancel)));
+        let run: Runner = Box::new(move |endpoint, cancel| Box::pin(serve(instances, target, endpoint, cancel)));
         connections.track_future(serve_connection(state, events_of, socket, limits, run, slot))
     }))
 }
@@ -194,11 +192,11 @@ pub async fn join_consumer(
         crate::events::subject_filter(Some(stream.as_str()), Some(consumer.as_str()), Some(subscriber.as_str()));
     let limit = state.settings.ws_max_connections_per_member;
     let slot = state.sockets_per_member.take(format!("subscriber {stream}/{consumer}/{subscriber}"), limit)?;
-    let target = ConsumerTarget { stream, consumer, subscriber };
+    let target = Target::subscriber(stream, &consumer, subscriber, pull)
+        .ok_or_else(|| ApiError::BadRequest(format!("consumer name {consumer} cannot be subscribed to")))?;
     let connections = state.connections.clone();
     Ok(upgrade.on_upgrade(move |socket| {
-        let run: Runner =
-            Box::new(move |endpoint, cancel| Box::pin(serve_consumer(instances, target, endpoint, pull, cancel)));
+        let run: Runner = Box::new(move |endpoint, cancel| Box::pin(serve(instances, target, endpoint, cancel)));
         connections.track_future(serve_connection(state, events_of, socket, limits, run, slot))
     }))
 }

@@ -11,7 +11,7 @@ mod send;
 
 pub use atomic::{publish_atomic, MAX_ATOMIC_MESSAGES};
 pub use batch::publish_all;
-pub use prepare::{prepare, reserved_stream, reserved_stream_name, Prepared};
+pub use prepare::{prepare, Prepared};
 
 use std::collections::BTreeMap;
 

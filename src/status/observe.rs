@@ -4,11 +4,11 @@
 
 use std::collections::BTreeMap;
 
+use crate::cluster::control::{ask, Control};
+use crate::cluster::replicas::Replicas;
 use crate::error::Error;
 use crate::groups::view::{BlockedView, GroupView, InstanceState};
 use crate::groups::{GroupAdmin, GroupKind};
-use crate::member::control::{ask, Control};
-use crate::member::replicas::Replicas;
 use crate::member_ref::MemberRef;
 use crate::names::{GroupName, MemberName, StreamName};
 
@@ -22,7 +22,7 @@ pub enum Instances<'a> {
     /// Asked of the instances: a short wait for their answers (a process
     /// that is no replica, like the CLI).
     RollCall,
-    /// Read from the replicas' rosters, kept live (member/replicas.rs).
+    /// Read from the replicas' rosters, kept live (cluster/replicas.rs).
     Live(&'a Replicas),
 }
 
@@ -113,7 +113,7 @@ pub async fn observe(
                 owner: Default::default(),
             };
             Some(async move {
-                (who.member.to_string(), crate::member::control::roll_call(nats, &who, ROLL_CALL_WINDOW).await)
+                (who.member.to_string(), crate::cluster::control::roll_call(nats, &who, ROLL_CALL_WINDOW).await)
             })
         });
         for (member, replies) in futures::future::join_all(calls).await {

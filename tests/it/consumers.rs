@@ -441,3 +441,97 @@ async fn a_subscriber_keeps_a_numeric_first_token_of_an_unstamped_stream_in_the_
     assert_eq!(request.header("keygate-subject"), Some("7.a"), "7 is part of the subject, not a partition");
     assert_eq!(request.header("keygate-partition"), Some("0"));
 }
+
+/// A server that restarts forgets the pulls waiting on it. A subscriber,
+/// like a group member, pulls again as soon as keygate has reconnected, not
+/// when its forgotten pull would have ended (what the pull's own `expires`
+/// says, watched on the pull subject).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscriber_pulls_again_as_soon_as_keygate_reconnects_to_a_restarted_server() {
+    use crate::support::receiver::{Answer, Receiver};
+    let mut app = TestApp::start().await;
+    setup(&app).await;
+    assert_eq!(app.put("/v1/streams/JOBS/consumers/work", json!({"policy":"overflow","group":"g"})).await.0, 201);
+    let mut pulls = app.nats.subscribe("$JS.API.CONSUMER.MSG.NEXT.JOBS.work").await.unwrap();
+    let receiver = Receiver::start(|_, _| Answer::ok()).await;
+    subscribe(&app, "work", "w", receiver.url("/w"), json!({})).await;
+    // The next pull seen is one the subscriber sends now.
+    let pull = tokio::time::timeout(Duration::from_secs(15), pulls.next()).await.unwrap().unwrap();
+    let sent = std::time::Instant::now();
+    let request: Value = serde_json::from_slice(&pull.payload).unwrap();
+    let forgotten_pull_ends = sent + Duration::from_nanos(request["expires"].as_u64().unwrap());
+    let server = app.nats_server.as_mut().unwrap();
+    tokio::task::block_in_place(|| server.restart());
+    let restarted = std::time::Instant::now();
+    crate::support::eventually(Duration::from_secs(15), || async {
+        let info = app.js.get_stream("JOBS").await.ok()?.consumer_info("work").await.ok()?;
+        (info.num_waiting > 0).then_some(())
+    })
+    .await;
+    let pulled_again = std::time::Instant::now();
+    println!(
+        "pulled again {:.2} s after the restart; the forgotten pull would have ended {:.2} s after it",
+        (pulled_again - restarted).as_secs_f64(),
+        forgotten_pull_ends.saturating_duration_since(restarted).as_secs_f64()
+    );
+    assert!(pulled_again < forgotten_pull_ends, "the subscriber waited for its forgotten pull to end");
+    publish_jobs(&app, 0, 1).await;
+    crate::support::eventually(Duration::from_secs(15), || async {
+        receiver.requests().iter().any(|r| r.ok()).then_some(())
+    })
+    .await;
+}
+
+/// A pinned subscriber that hears nothing from the server (its connection
+/// up, the server's bytes held back) cannot see the pin move: it steps down
+/// on its own within the pin's TTL, as a group member does, and takes the
+/// pin again once the server is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_subscriber_steps_down_when_the_server_goes_quiet() {
+    use crate::support::proxy::CuttableProxy;
+    use crate::support::receiver::{Answer, Receiver};
+    use crate::support::NatsServer;
+    let server = NatsServer::start();
+    let proxy = CuttableProxy::start(format!("127.0.0.1:{}", server.url().rsplit(':').next().unwrap())).await;
+    let app = TestApp::start_through(server, proxy.url()).await;
+    setup(&app).await;
+    // A short ack wait: a message the server sends to a pull forgotten in
+    // the cut comes back soon.
+    let consumer = json!({"policy":"pinned_client","group":"g","pinned_ttl_ms":3000,"ack_wait_ms":2000});
+    assert_eq!(app.put("/v1/streams/JOBS/consumers/quiet", consumer).await.0, 201);
+    // Events reach the test's own client, which connects straight to the server.
+    let mut events = app.nats.subscribe("keygate.events.JOBS.quiet.w.>").await.unwrap();
+    let receiver = Receiver::start(|_, _| Answer::ok()).await;
+    subscribe(&app, "quiet", "w", receiver.url("/w"), json!({})).await;
+    publish_jobs(&app, 0, 1).await;
+    next_event(&mut events, "member.pinned", Duration::from_secs(15)).await;
+    proxy.hold_server_bytes();
+    let quiet = std::time::Instant::now();
+    let unpinned = next_event(&mut events, "member.unpinned", Duration::from_secs(10)).await;
+    println!("stepped down {:.2} s after the server went quiet", quiet.elapsed().as_secs_f64());
+    assert_eq!(unpinned["reason"], "no word from the server within the pin's TTL", "{unpinned}");
+    proxy.cut();
+    publish_jobs(&app, 1, 1).await;
+    next_event(&mut events, "member.pinned", Duration::from_secs(20)).await;
+    crate::support::eventually(Duration::from_secs(20), || async {
+        let acked: std::collections::HashSet<u64> =
+            receiver.requests().iter().filter(|r| r.ok()).map(|r| r.seq()).collect();
+        (acked.len() == 2).then_some(())
+    })
+    .await;
+}
+
+/// The next event of type `wanted` on `events`; panics after `within`.
+async fn next_event(events: &mut async_nats::Subscriber, wanted: &str, within: Duration) -> Value {
+    tokio::time::timeout(within, async {
+        while let Some(event) = events.next().await {
+            let event: Value = serde_json::from_slice(&event.payload).unwrap();
+            if event["type"] == wanted {
+                return event;
+            }
+        }
+        panic!("events ended");
+    })
+    .await
+    .unwrap_or_else(|_| panic!("no {wanted} event within {within:?}"))
+}

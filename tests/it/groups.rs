@@ -588,7 +588,7 @@ async fn listing_groups_thousands_of_times_leaves_no_consumer_and_lists_past_a_t
         let mut stream = app.js.get_stream(format!("KV_{bucket}")).await.unwrap();
         stream.info().await.unwrap().state.consumer_count
     };
-    // keygate's one configuration watch per bucket (src/member/config_watch.rs), nothing else.
+    // keygate's one configuration watch per bucket (src/runtime/config_watch.rs), nothing else.
     let watches = (1, 1);
     eventually(Duration::from_secs(10), || async {
         let now = (consumers("static-consumer-groups").await, consumers("elastic-consumer-groups").await);

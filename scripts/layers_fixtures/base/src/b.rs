@@ -1,0 +1,5 @@
+//! b: the bottom layer; uses nothing of the crate.
+
+pub fn helper() -> u32 {
+    1
+}

@@ -1,0 +1,5 @@
+//! x::s uses nothing of the crate.
+
+pub fn h() -> u32 {
+    2
+}

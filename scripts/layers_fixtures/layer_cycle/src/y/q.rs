@@ -1,0 +1,5 @@
+//! y::q uses nothing of the crate.
+
+pub fn f() -> u32 {
+    3
+}

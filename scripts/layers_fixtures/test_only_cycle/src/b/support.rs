@@ -1,0 +1,3 @@
+//! Test helpers, declared under `#[cfg(test)]`: they may use anything.
+
+pub use crate::a::answer;

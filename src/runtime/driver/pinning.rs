@@ -1,0 +1,228 @@
+//! A session's pin: the handover barrier when it is gained, the fencing
+//! token, stepping down when it is lost or the server goes quiet, and
+//! noticing that another instance holds it (docs/architecture.md, "Why
+//! lanes, the handover barrier and fencing tokens").
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::Driver;
+use crate::cluster::balance::STEP_DOWN_HOLD;
+use crate::runtime::fencing::next_token;
+use crate::runtime::pin::{announce_pinned, announce_standby, announce_unpinned, count_pin_change, pinned_to_someone};
+
+/// The longest a seeking instance waits between asking who holds the pin.
+/// The answer only tells clients it stands by (the pin itself comes through
+/// the pulls), and an idle member nobody pins keeps every instance seeking:
+/// a thousand of them asking every few seconds would be most of an idle
+/// replica's work.
+const MAX_SEEK_EVERY: Duration = Duration::from_secs(30);
+
+impl Driver {
+    /// A member's partitions (a subscriber owns none).
+    fn owned_partitions(&self) -> Vec<u32> {
+        self.config().map(|config| config.partitions_of(self.who().member.as_str())).unwrap_or_default()
+    }
+
+    pub(super) async fn gain_pin(&mut self, pin: String) {
+        self.pin.on_message_pin(&pin);
+        self.last_reply = Instant::now();
+        // Handover barrier: nothing goes out until every ack-pending message
+        // of the consumer is ours (and the fencing token is raised). A
+        // subscriber keeps no order, so it has none to protect.
+        {
+            let mut state = self.shared.lock();
+            if self.target.is_member() {
+                state.lanes.set_barrier(true);
+            }
+            self.shared.serving.store(true, Ordering::Relaxed);
+        }
+        self.raise_fencing_token().await;
+        if self.pin.token_pending() && !self.target.is_member() {
+            // Without a raised token a subscriber still delivers: it counts
+            // on from the last token it knew.
+            let token = self.shared.fencing.load(Ordering::Relaxed) + 1;
+            self.shared.fencing.store(token, Ordering::Relaxed);
+            self.pin.set_token(token);
+        }
+        self.report_pin();
+        count_pin_change(self.who(), "gained");
+        if self.balanced {
+            self.ctx().cluster.pins.set_pinned(self.who(), true);
+        }
+        let partitions = self.owned_partitions();
+        let reason = self.handoff.take().filter(|(_, at)| at.elapsed() < STEP_DOWN_HOLD).map(|(why, _)| why);
+        announce_pinned(self.ctx(), self.who(), &self.shared.endpoint, pin, self.pin.token(), partitions, reason);
+    }
+
+    /// Gives the pin up for a rebalance: unpinned at the server first (this
+    /// instance's open pulls carry the old pin id, so none of them gets it
+    /// back), then what it held goes back to the server for the next
+    /// holder, and it pulls nothing for `hold`.
+    pub(super) async fn step_down(&mut self, hold: Duration, why: &str) {
+        let Ok(handle) = self.ctx().js.get_stream_no_info(&self.joined.stream_name).await else { return };
+        self.hold_pulls_until = Some(Instant::now() + hold);
+        let group = self.joined.priority_group.as_deref().unwrap_or_default();
+        if let Err(e) = handle.unpin_consumer(&self.joined.consumer, group).await {
+            tracing::debug!(error = %e, "stepping down for a rebalance failed");
+            self.hold_pulls_until = None;
+            return;
+        }
+        let held = self.shared.lock().lanes.release_held();
+        for held in held {
+            let _ = held.message.ack_with(async_nats::jetstream::AckKind::Nak(None)).await;
+        }
+        self.lose_pin(why);
+    }
+
+    /// Whether this instance should leave the next pin to others: it
+    /// stepped down a moment ago, or it stands by on a replica that already
+    /// holds its share of the group's pins. Stopping at the share, not above
+    /// it, is what sends a stepped-down pin to the replica that lacks pins
+    /// rather than to one that would step it down again (the balance model,
+    /// benches/balance_model.rs, measures both). The share counts only
+    /// replicas heard from recently (`Replicas::count`), so a dead replica's
+    /// pins find takers before they lapse.
+    pub(super) fn holding_back(&self) -> bool {
+        if self.hold_pulls_until.is_some_and(|until| Instant::now() < until) {
+            return true;
+        }
+        let ctx = self.ctx();
+        self.balanced
+            && !self.pin.is_pinned()
+            && ctx.cluster.pins.has_share(self.who(), ctx.cluster.replicas.count(), ctx.cluster.balance_slack)
+    }
+
+    /// Tells the roster (and through it the group view) the pin this
+    /// instance holds now and its token.
+    pub(super) fn report_pin(&self) {
+        self.ctx().cluster.roster.set_pin(self.who(), self.session_id, self.pin.id(), self.pin.token());
+    }
+
+    /// Raises the member's fencing token in KV; while it cannot, the pin
+    /// stays with its token pending and nothing is delivered (a guessed
+    /// token could be lower than the previous holder's).
+    async fn raise_fencing_token(&mut self) {
+        match next_token(&self.ctx().js, &self.target.fencing_key()).await {
+            Ok(token) => {
+                self.shared.fencing.store(token, Ordering::Relaxed);
+                self.pin.set_token(token);
+                self.report_pin();
+            }
+            Err(e) => tracing::warn!(error = %e, "raising the fencing token failed; holding deliveries"),
+        }
+    }
+
+    pub(super) fn lose_pin(&mut self, why: &str) {
+        self.pin.lose();
+        self.seek_every = super::PIN_CHECK;
+        self.next_seek = Instant::now();
+        // Held and NAK'd messages now belong to the next holder; deliveries
+        // in flight finish (and stay kept alive) so its barrier waits for them.
+        {
+            let mut state = self.shared.lock();
+            self.shared.serving.store(false, Ordering::Relaxed);
+            state.lanes.release_held();
+            state.blocked_reported.clear();
+        }
+        count_pin_change(self.who(), "lost");
+        self.report_pin();
+        if self.balanced {
+            self.ctx().cluster.pins.set_pinned(self.who(), false);
+        }
+        announce_unpinned(self.ctx(), self.who(), &self.shared.endpoint, why, self.owned_partitions());
+    }
+
+    /// How long a pinned instance may hear nothing from the server before it
+    /// steps down: less than the pin's TTL (the server re-pins then), more
+    /// than a pull's expiry (every pull ends with an answer).
+    fn allowed_silence(&self) -> Duration {
+        (self.joined.pin_ttl.saturating_sub(Duration::from_millis(250)))
+            .max(self.pull_expiry(true) + Duration::from_millis(250))
+    }
+
+    /// When `check_pin` next has something to do: soon while the handover
+    /// barrier is up or the fencing token is pending, at the end of the
+    /// allowed silence while pinned, at the next seek while seeking; never
+    /// while standing by (the pin comes through the pulls).
+    pub(super) fn next_pin_check(&self, barrier_up: bool) -> Option<Instant> {
+        // A consumer that pins nobody has no pin to check.
+        if !self.joined.pinned {
+            return None;
+        }
+        if barrier_up {
+            return Some(self.pin_checked + super::BARRIER_CHECK);
+        }
+        if self.pin.token_pending() {
+            return Some(self.pin_checked + super::PIN_CHECK);
+        }
+        if self.pin.is_pinned() {
+            return Some(self.last_reply + self.allowed_silence() + Duration::from_millis(1));
+        }
+        (!self.pin.is_standby()).then_some(self.next_seek)
+    }
+
+    /// Steps down when the server has gone quiet, raises a pending token,
+    /// lowers the handover barrier once the consumer's ack-pending messages
+    /// are all this instance's, and notices a pin held elsewhere.
+    pub(super) async fn check_pin(&mut self) {
+        self.pin_checked = Instant::now();
+        if self.pin.is_pinned() {
+            // Cut off from the server, this instance cannot see the pin move:
+            // it stops on its own before the server re-pins another.
+            if self.last_reply.elapsed() > self.allowed_silence() {
+                self.pulls.clear();
+                self.lose_pin("no word from the server within the pin's TTL");
+                return;
+            }
+        }
+        if self.pin.token_pending() {
+            self.raise_fencing_token().await;
+            if self.pin.token_pending() {
+                return;
+            }
+        }
+        let (barrier, ours, highest) = {
+            let state = self.shared.lock();
+            (state.lanes.barrier(), state.lanes.holding() + state.lanes.awaiting(), state.lanes.highest())
+        };
+        let barrier = self.pin.is_pinned() && barrier;
+        // A standby only waits: the pin comes to it through its pulls.
+        if (!barrier && self.pin.is_pinned()) || self.pin.is_standby() {
+            return;
+        }
+        // Seeking, it asks who holds the pin less and less often while
+        // nobody does (an idle member's instances would otherwise ask four
+        // times a second each).
+        if !barrier {
+            if Instant::now() < self.next_seek {
+                return;
+            }
+            self.seek_every = (self.seek_every * 2).min(MAX_SEEK_EVERY);
+            self.next_seek = Instant::now() + self.seek_every;
+        }
+        // `ours` was counted before asking, so messages arriving meanwhile
+        // can only make the server's count higher (the safe side).
+        let Ok(handle) = self.ctx().js.get_stream_no_info(&self.joined.stream_name).await else { return };
+        let Ok(info) = handle.consumer_info(&self.joined.consumer).await else { return };
+        if barrier {
+            // Every message the consumer counts as delivered and un-acked is
+            // ours, and it has delivered at least up to the newest one we
+            // hold. The second half matters after a consumer leader change:
+            // a new leader whose state lags forgets deliveries (renumbering
+            // from a lower consumer sequence), so messages that went to a
+            // lost pull are neither ack-pending nor here, but still due
+            // before ours; they come when its delivery catches up.
+            if info.num_ack_pending <= ours && info.delivered.stream_sequence >= highest {
+                self.shared.lock().lanes.set_barrier(false);
+            }
+            return;
+        }
+        // A pin seen right after a message reached us may be ours, not yet
+        // read from the message: only a quiet instance calls itself standby.
+        let quiet = self.last_message.elapsed() > Duration::from_secs(1);
+        if pinned_to_someone(&info) && quiet && self.pin.stand_by() {
+            announce_standby(self.ctx(), self.who(), &self.shared.endpoint, self.owned_partitions());
+        }
+    }
+}

@@ -1,0 +1,220 @@
+//! Lane workers: each dispatched message has one, which delivers it,
+//! settles it in its lane, and takes the next message that may go (of any
+//! lane) itself, so the next delivery starts without a round trip through
+//! the session. At most `max_in_flight` run at once, since only a dispatch
+//! starts or continues one.
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_nats::jetstream::AckKind;
+use futures::FutureExt;
+use tokio::sync::Notify;
+
+use crate::cluster::roster::Roster;
+use crate::delivery::endpoint::Endpoint;
+use crate::delivery::message::Held;
+use crate::events::{About, Event};
+use crate::member_ref::MemberRef;
+use crate::runtime::context::InstanceContext;
+use crate::runtime::deliver::{dead_letter_and_term, deliver, Outcome};
+use crate::runtime::lanes::{Blocked, Dispatched, LaneId, LaneKey, Lanes, Settled, Settlement};
+
+/// Lane state shared by the session and the lane workers. Never held across
+/// an await.
+pub(super) struct LaneState {
+    pub lanes: Lanes<Held>,
+    pub blocked_reported: BlockedLanes,
+    /// Lanes whose head an operator skipped while it was being delivered:
+    /// it is dead-lettered when that attempt fails.
+    pub skip_requested: BTreeSet<LaneId>,
+}
+
+/// Lanes reported blocked, mirrored in the blocked-partitions and
+/// blocked-keys gauges (which drop back when the instance ends) and, as
+/// "any blocked", in the roster (the group view asks only such instances
+/// for their list).
+pub(super) struct BlockedLanes {
+    set: BTreeSet<LaneId>,
+    partitions: metrics::Gauge,
+    keys: metrics::Gauge,
+    roster: Arc<Roster>,
+    who: MemberRef,
+    session: u64,
+}
+
+impl BlockedLanes {
+    pub fn new(who: &MemberRef, roster: Arc<Roster>, session: u64) -> Self {
+        let labels =
+            [("stream", who.stream.to_string()), ("group", who.group.to_string()), ("member", who.member.to_string())];
+        Self {
+            set: BTreeSet::new(),
+            partitions: metrics::gauge!(crate::metrics::BLOCKED_PARTITIONS, labels.as_slice()),
+            keys: metrics::gauge!(crate::metrics::BLOCKED_KEYS, labels.as_slice()),
+            roster,
+            who: who.clone(),
+            session,
+        }
+    }
+
+    fn gauge(&self, lane: &LaneId) -> &metrics::Gauge {
+        match lane.key {
+            LaneKey::Partition => &self.partitions,
+            LaneKey::Key(_) | LaneKey::Alone(_) => &self.keys,
+        }
+    }
+
+    fn report(&self) {
+        self.roster.set_blocked(&self.who, self.session, !self.set.is_empty());
+    }
+
+    pub fn contains(&self, lane: &LaneId) -> bool {
+        self.set.contains(lane)
+    }
+
+    /// Counts the lane as reported; true when it was not yet.
+    pub fn insert(&mut self, lane: &LaneId) -> bool {
+        let new = self.set.insert(lane.clone());
+        if new {
+            self.gauge(lane).increment(1.0);
+            self.report();
+        }
+        new
+    }
+
+    /// Uncounts the lane; true when it was reported.
+    pub fn remove(&mut self, lane: &LaneId) -> bool {
+        let was = self.set.remove(lane);
+        if was {
+            self.gauge(lane).decrement(1.0);
+            self.report();
+        }
+        was
+    }
+
+    pub fn clear(&mut self) {
+        for lane in std::mem::take(&mut self.set) {
+            self.gauge(&lane).decrement(1.0);
+        }
+        self.report();
+    }
+}
+
+impl Drop for BlockedLanes {
+    fn drop(&mut self) {
+        self.clear();
+    }
+}
+
+/// The event saying a lane's head failed: `partition.blocked` for a whole
+/// partition, `key.blocked` for a key.
+pub(super) fn blocked_event(about: About<'_>, lane: &LaneId, blocked: &Blocked) -> Event {
+    let (p, seq, attempts, error) = (lane.partition, blocked.seq, blocked.attempts, blocked.last_error.as_str());
+    match lane.key {
+        LaneKey::Partition => Event::partition_blocked(about, p, seq, attempts, error),
+        _ => Event::key_blocked(about, p, lane.key.key(), seq, attempts, error),
+    }
+}
+
+/// The event saying a lane's head passed (`reason`: how, when not by a verdict).
+pub(super) fn unblocked_event(about: About<'_>, lane: &LaneId, seq: u64, reason: Option<&str>) -> Event {
+    match lane.key {
+        LaneKey::Partition => Event::partition_unblocked(about, lane.partition, seq, reason),
+        _ => Event::key_unblocked(about, lane.partition, lane.key.key(), seq, reason),
+    }
+}
+
+/// What lane workers need.
+#[derive(Clone)]
+pub(super) struct LaneShared {
+    pub ctx: Arc<InstanceContext>,
+    pub who: MemberRef,
+    pub endpoint: Arc<Endpoint>,
+    pub state: Arc<Mutex<LaneState>>,
+    /// Whether this instance may deliver: it holds the pin, or the consumer
+    /// pins nobody (workers stop when it may not).
+    pub serving: Arc<AtomicBool>,
+    /// The fencing token deliveries carry.
+    pub fencing: Arc<AtomicU64>,
+    /// Set when the endpoint answered 410.
+    pub gone: Arc<AtomicBool>,
+    pub wake: Arc<Notify>,
+}
+
+impl LaneShared {
+    pub fn lock(&self) -> MutexGuard<'_, LaneState> {
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// Delivers `first`, then whatever may go next, one at a time, for as long
+/// as something may: each message is settled in its lane before the next
+/// is taken.
+pub(super) async fn run_worker(shared: LaneShared, first: Dispatched<Held>) {
+    let mut next = Some(first);
+    while let Some(Dispatched { lane, seq, message: held }) = next {
+        let outcome = deliver_one(&shared, &lane, seq, &held).await;
+        for e in outcome.events {
+            shared.ctx.events.emit(e);
+        }
+        if outcome.gone {
+            shared.gone.store(true, Ordering::Relaxed);
+            shared.wake.notify_one();
+        }
+        let naked = matches!(outcome.settled, Settled::Naked { .. });
+        let mut state = shared.lock();
+        let was_blocked = state.lanes.blocked_lane(&lane).is_some();
+        state.lanes.settle(&lane, seq, outcome.settled);
+        let blocked = state.lanes.blocked_lane(&lane).cloned();
+        let about = shared.ctx.about(&shared.who);
+        if naked && !state.blocked_reported.contains(&lane) {
+            state.blocked_reported.insert(&lane);
+            if let Some(b) = blocked {
+                shared.ctx.events.emit(blocked_event(about, &lane, &b));
+            }
+        } else if was_blocked && blocked.is_none() {
+            state.blocked_reported.remove(&lane);
+            shared.ctx.events.emit(unblocked_event(about, &lane, seq, None));
+        }
+        next = if shared.serving.load(Ordering::Relaxed) && !shared.gone.load(Ordering::Relaxed) {
+            state.lanes.dispatch_one()
+        } else {
+            None
+        };
+    }
+}
+
+/// One delivery and its verdict; a head an operator asked to skip while it
+/// was out is dead-lettered when that attempt fails.
+async fn deliver_one(shared: &LaneShared, lane: &LaneId, seq: u64, held: &Held) -> Outcome {
+    let fencing = shared.fencing.load(Ordering::Relaxed);
+    let delivery = deliver(shared.ctx.clone(), shared.who.clone(), shared.endpoint.clone(), held.clone(), fencing);
+    // A panic must not leave the lane marked in flight for ever.
+    let mut outcome = match std::panic::AssertUnwindSafe(delivery).catch_unwind().await {
+        Ok(outcome) => outcome,
+        Err(_) => {
+            tracing::error!(partition = lane.partition, seq, "delivery panicked; the message will be retried");
+            let _ = held.message.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
+            Outcome {
+                settled: Settled::Naked { attempts: held.attempt, error: "keygate failed while delivering".into() },
+                events: Vec::new(),
+                gone: false,
+            }
+        }
+    };
+    let skip = matches!(outcome.settled, Settled::Naked { .. }) && shared.lock().skip_requested.remove(lane);
+    if skip {
+        match dead_letter_and_term(&shared.ctx, &shared.who, held, "skipped by an operator").await {
+            Ok(mut events) => {
+                outcome.events.append(&mut events);
+                outcome.settled = Settled::Done(Settlement::Terminated);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, partition = lane.partition, seq, "could not dead-letter a skipped message")
+            }
+        }
+    }
+    outcome
+}
