@@ -11,12 +11,10 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::auth::Verifier;
-use crate::delivery::webhook::{WebhookClient, WebhookStore};
-use crate::events::EventBus;
-use crate::groups::GroupAdmin;
-use crate::nats::connect::{connect, jetstream};
+use crate::nats::connect::connect;
 use crate::nats::embedded::EmbeddedServer;
-use crate::runtime::context::InstanceContext;
+use crate::runtime::pull_instances::PullInstances;
+use crate::runtime::Runtime;
 use crate::settings::{NatsTarget, Settings};
 use crate::streams::Streams;
 
@@ -27,71 +25,20 @@ const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(20);
 #[derive(Clone)]
 pub struct AppState {
     pub settings: Arc<Settings>,
-    pub nats: async_nats::Client,
-    pub js: async_nats::jetstream::Context,
+    /// What keygate runs on: NATS, its stores, the cluster (src/runtime/mod.rs).
+    pub runtime: Arc<Runtime>,
     pub streams: Streams,
     pub consumers: crate::consumers::Consumers,
-    pub groups: GroupAdmin,
-    pub webhooks: WebhookStore,
-    /// Consumer subscribers' webhooks.
-    pub consumer_webhooks: WebhookStore,
-    pub events: EventBus,
-    /// The dead-letter stream, browsed and redriven through the API.
-    pub dead_letters: crate::dead_letters::Archive,
-    /// Paused members and subscribers.
-    pub pauses: crate::pauses::Pauses,
-    /// What member instances share (set once keygate is connected).
-    pub instances: Option<Arc<InstanceContext>>,
     /// WebSocket member connections, awaited at shutdown.
     pub connections: tokio_util::task::TaskTracker,
-    /// Pull clients' instances on this replica (set once keygate is connected).
-    pub pulls: Option<crate::runtime::pull_instances::PullInstances>,
+    /// Pull clients' instances on this replica.
+    pub pulls: PullInstances,
     /// WebSocket connections open per member or subscriber, capped.
     pub sockets_per_member: crate::http::ws::SocketCounts,
     /// Verifies bearer tokens; `None` runs the API open.
     pub verifier: Option<Arc<Verifier>>,
     /// Cancelled when keygate shuts down (ends long-lived responses).
     pub shutdown: CancellationToken,
-}
-
-impl AppState {
-    /// State over an established NATS connection.
-    pub fn new(
-        settings: Settings,
-        nats: async_nats::Client,
-        verifier: Option<Verifier>,
-        shutdown: CancellationToken,
-    ) -> Self {
-        let js = jetstream(nats.clone(), settings.nats_timeout);
-        let policy = Arc::new(settings.destinations.clone());
-        Self {
-            settings: Arc::new(settings),
-            streams: Streams::new(js.clone()),
-            consumers: crate::consumers::Consumers::new(js.clone()),
-            groups: GroupAdmin::new(js.clone()),
-            webhooks: WebhookStore::new(js.clone(), policy.clone()),
-            consumer_webhooks: WebhookStore::for_consumers(js.clone(), policy),
-            events: EventBus::new(nats.clone()),
-            dead_letters: crate::dead_letters::Archive::new(js.clone()),
-            pauses: crate::pauses::Pauses::new(js.clone()),
-            verifier: verifier.map(Arc::new),
-            instances: None,
-            pulls: None,
-            connections: tokio_util::task::TaskTracker::new(),
-            sockets_per_member: Default::default(),
-            nats,
-            js,
-            shutdown,
-        }
-    }
-
-    /// The largest message the server accepts.
-    pub fn max_payload(&self) -> usize {
-        match self.nats.server_info().max_payload {
-            0 => 1024 * 1024,
-            n => n,
-        }
-    }
 }
 
 /// Runs keygate on `listener` until `shutdown` is cancelled: starts the
@@ -124,79 +71,53 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
         settings.instance_id.as_ref().map_or_else(|| "keygate".to_owned(), |id| format!("keygate {id}"));
     let (nats, connections) = connect(&url, &auth, &connection_name).await?;
     crate::nats::replicas::configure(settings.state_replicas);
-    let mut state = AppState::new(settings, nats.clone(), verifier, shutdown.clone());
-    let instances = Arc::new(InstanceContext {
-        js: state.js.clone(),
-        nats: nats.clone(),
-        events: state.events.clone(),
-        webhooks: WebhookClient::new(Arc::new(state.settings.destinations.clone()))?,
-        webhook_store: state.webhooks.clone(),
-        consumer_webhook_store: state.consumer_webhooks.clone(),
-        groups: state.groups.clone(),
-        pauses: state.pauses.clone(),
-        cluster: crate::cluster::Cluster::new(
-            state
-                .settings
-                .instance_id
-                .clone()
-                .unwrap_or_else(|| format!("keygate-{}", nats.new_inbox().rsplit('.').next().unwrap_or("0"))),
-            state.settings.pin_balance_slack,
-        ),
-        hold_cap: state.settings.hold_cap,
-        shutdown_grace: state.settings.delivery_grace,
-        config_watch: crate::runtime::config_watch::ConfigWatch::new(state.js.clone()),
-        subscriptions: crate::nats::shared::SharedSubscriptions::new(
-            nats.clone(),
-            &[crate::cluster::control::CONTROL_PREFIX],
-        ),
-        outbox: crate::nats::outbox::Outbox::start(nats.clone()),
-        connections,
-        configs: Default::default(),
-    });
-    state.instances = Some(instances.clone());
+    let runtime = Arc::new(Runtime::start(&settings, nats.clone(), connections)?);
+    let connections = tokio_util::task::TaskTracker::new();
     // Pull instances finish like WebSocket connections: after the HTTP drain.
-    let pulls = crate::runtime::pull_instances::PullInstances::start(
-        instances.clone(),
-        state.settings.pull_max_instances,
-        state.connections.clone(),
-        shutdown.child_token(),
-    )
-    .await?;
-    state.pulls = Some(pulls);
-    // Start the configuration watchers now rather than with the first member.
-    for bucket in [crate::groups::config::STATIC_BUCKET, crate::groups::config::ELASTIC_BUCKET] {
-        drop(instances.config_watch.subscribe(bucket));
-    }
+    let pulls =
+        PullInstances::start(runtime.clone(), settings.pull_max_instances, connections.clone(), shutdown.child_token())
+            .await?;
+    let state = AppState {
+        streams: Streams::new(runtime.broker.js.clone()),
+        consumers: crate::consumers::Consumers::new(runtime.broker.js.clone()),
+        settings: Arc::new(settings),
+        runtime: runtime.clone(),
+        connections,
+        pulls,
+        sockets_per_member: Default::default(),
+        verifier: verifier.map(Arc::new),
+        shutdown: shutdown.clone(),
+    };
     // Members wind down as soon as shutdown starts, beside the HTTP drain.
     let members_token = shutdown.child_token();
     // Replicas know each other and share the webhook members' pins.
-    let replicas = tokio::spawn(instances.cluster.replicas.clone().run(
-        state.js.clone(),
-        instances.cluster.instance_id.clone(),
-        instances.cluster.roster.clone(),
+    let replicas = tokio::spawn(runtime.cluster.replicas.clone().run(
+        runtime.broker.js.clone(),
+        runtime.cluster.instance_id.clone(),
+        runtime.cluster.roster.clone(),
         members_token.clone(),
     ));
     let balancer = tokio::spawn(crate::cluster::rebalance::run_balancer(
-        instances.cluster.clone(),
+        runtime.cluster.clone(),
         nats.clone(),
         members_token.clone(),
     ));
     // One replica of the cluster samples and watches for all (src/cluster/lease.rs).
-    let holder = instances.cluster.instance_id.clone();
-    let members = tokio::spawn(crate::runtime::supervisor::supervise(instances, members_token.clone()));
+    let holder = runtime.cluster.instance_id.clone();
+    let members = tokio::spawn(crate::runtime::supervisor::supervise(runtime.clone(), members_token.clone()));
     let backlog = state.settings.backlog_sample_interval.map(|every| {
-        let (groups, nats) = (state.groups.clone(), nats.clone());
+        let (groups, nats) = (runtime.stores.groups.clone(), nats.clone());
         tokio::spawn(crate::cluster::lease::run_as_singleton(
-            state.js.clone(),
+            runtime.broker.js.clone(),
             "backlog-sampler",
             holder.clone(),
             members_token.clone(),
             move |cancel| crate::status::backlog::sample_backlog(groups.clone(), nats.clone(), every, cancel),
         ))
     });
-    let (groups, js) = (state.groups.clone(), state.js.clone());
+    let (groups, js) = (runtime.stores.groups.clone(), runtime.broker.js.clone());
     let source_watch = tokio::spawn(crate::cluster::lease::run_as_singleton(
-        state.js.clone(),
+        runtime.broker.js.clone(),
         "source-watchdog",
         holder,
         members_token.clone(),

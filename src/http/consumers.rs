@@ -80,7 +80,7 @@ pub async fn delete_consumer(
 ) -> Result<StatusCode, ApiError> {
     state.consumers.delete(&stream, &consumer).await?;
     // Its subscribers would otherwise look for it for ever.
-    state.consumer_webhooks.delete_prefixed(&format!("{stream}.{consumer}.")).await?;
+    state.runtime.stores.consumer_webhooks.delete_prefixed(&format!("{stream}.{consumer}.")).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -251,7 +251,8 @@ pub async fn put_subscriber(
         ce_type: spec.ce_type,
     };
     let key = format!("{stream}.{consumer}.{subscriber}");
-    let (created, registration, secret) = state.consumer_webhooks.put_with(&key, webhook, Some(options)).await?;
+    let (created, registration, secret) =
+        state.runtime.stores.consumer_webhooks.put_with(&key, webhook, Some(options)).await?;
     let status = if created { StatusCode::CREATED } else { StatusCode::OK };
     Ok((status, Json(subscriber_view(&stream, &consumer, &subscriber, registration, secret))))
 }
@@ -272,6 +273,8 @@ pub async fn get_subscriber(
     Path((stream, consumer, subscriber)): Path<(StreamName, ConsumerName, MemberName)>,
 ) -> Result<Json<SubscriberView>, ApiError> {
     let registration = state
+        .runtime
+        .stores
         .consumer_webhooks
         .get(&format!("{stream}.{consumer}.{subscriber}"))
         .await?
@@ -294,7 +297,7 @@ pub async fn delete_subscriber(
     State(state): State<AppState>,
     Path((stream, consumer, subscriber)): Path<(StreamName, ConsumerName, MemberName)>,
 ) -> Result<StatusCode, ApiError> {
-    if state.consumer_webhooks.delete(&format!("{stream}.{consumer}.{subscriber}")).await? {
+    if state.runtime.stores.consumer_webhooks.delete(&format!("{stream}.{consumer}.{subscriber}")).await? {
         Ok(StatusCode::NO_CONTENT)
     } else {
         Err(ApiError::NotFound(format!("no subscriber {subscriber} on consumer {consumer}")))
@@ -322,6 +325,8 @@ pub async fn rotate_subscriber_secret(
 ) -> Result<Json<SubscriberView>, ApiError> {
     let overlap = request.unwrap_or_default().overlap()?;
     let (registration, secret) = state
+        .runtime
+        .stores
         .consumer_webhooks
         .rotate_secret(&format!("{stream}.{consumer}.{subscriber}"), overlap)
         .await?

@@ -121,7 +121,7 @@ fn letter_seq(id: &str) -> Result<u64, ApiError> {
 /// does not exist.
 async fn visible_letter(state: &AppState, visibility: &Visibility, id: &str) -> Result<Letter, ApiError> {
     let seq = letter_seq(id)?;
-    match state.dead_letters.get(seq).await? {
+    match state.runtime.stores.dead_letters.get(seq).await? {
         Some(letter) if visibility.sees(&letter) => Ok(letter),
         _ => Err(ApiError::NotFound(format!("no dead letter {id}"))),
     }
@@ -145,8 +145,8 @@ pub async fn list_dead_letters(
 ) -> Result<Json<DeadLetterPage>, ApiError> {
     let selection = query.check(MAX_PAGE)?;
     visibility.require(&selection.filter.requirement())?;
-    let page = state.dead_letters.page(&selection).await?;
-    let marks = state.dead_letters.redriven(&page.letters).await?;
+    let page = state.runtime.stores.dead_letters.page(&selection).await?;
+    let marks = state.runtime.stores.dead_letters.redriven(&page.letters).await?;
     let dead_letters = page.letters.iter().zip(marks).map(|(letter, mark)| letter.view(mark)).collect();
     Ok(Json(DeadLetterPage { dead_letters, next_cursor: page.next.map(|c| c.token()) }))
 }
@@ -168,7 +168,7 @@ pub async fn get_dead_letter(
     Path(id): Path<String>,
 ) -> Result<Json<DeadLetterView>, ApiError> {
     let letter = visible_letter(&state, &visibility, &id).await?;
-    let mark = state.dead_letters.redriven(std::slice::from_ref(&letter)).await?.pop().flatten();
+    let mark = state.runtime.stores.dead_letters.redriven(std::slice::from_ref(&letter)).await?.pop().flatten();
     Ok(Json(letter.view(mark)))
 }
 
@@ -189,7 +189,7 @@ pub async fn delete_dead_letter(
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
     let letter = visible_letter(&state, &visibility, &id).await?;
-    if !state.dead_letters.delete(&letter).await? {
+    if !state.runtime.stores.dead_letters.delete(&letter).await? {
         return Err(ApiError::NotFound(format!("no dead letter {id}")));
     }
     Ok(StatusCode::NO_CONTENT)
@@ -220,10 +220,10 @@ pub async fn delete_dead_letters(
         ));
     }
     visibility.require(&selection.filter.requirement())?;
-    let page = state.dead_letters.page(&selection).await?;
+    let page = state.runtime.stores.dead_letters.page(&selection).await?;
     let mut deleted = Vec::with_capacity(page.letters.len());
     for letter in &page.letters {
-        if state.dead_letters.delete(letter).await? {
+        if state.runtime.stores.dead_letters.delete(letter).await? {
             deleted.push(letter.id());
         }
     }
@@ -270,14 +270,19 @@ pub async fn redrive_dead_letters(
         (None, Some(filter)) => {
             let selection = filter.check(MAX_PAGE)?;
             visibility.require(&selection.filter.requirement())?;
-            let page = state.dead_letters.page(&selection).await?;
+            let page = state.runtime.stores.dead_letters.page(&selection).await?;
             (page.letters, page.next.map(|c| c.token()))
         }
         _ => return Err(ApiError::BadRequest("give ids or filter, one of them".into())),
     };
-    let outcomes =
-        dead_letters::redrive_in_order(&state.js, &state.dead_letters, &state.streams, state.max_payload(), letters)
-            .await?;
+    let outcomes = dead_letters::redrive_in_order(
+        &state.runtime.broker.js,
+        &state.runtime.stores.dead_letters,
+        &state.streams,
+        state.runtime.max_payload(),
+        letters,
+    )
+    .await?;
     let mut redriven = Vec::with_capacity(outcomes.len());
     for (letter, outcome) in outcomes {
         match outcome {

@@ -56,7 +56,9 @@ pub async fn events(
     let types: Option<Vec<String>> =
         filter.types.map(|t| t.split(',').map(str::trim).filter(|s| !s.is_empty()).map(str::to_owned).collect());
     let mut subscription = state
-        .nats
+        .runtime
+        .broker
+        .client
         .subscribe(subject)
         .await
         .map_err(|e| crate::nats::errors::unavailable_or_internal("subscribing to events", e))?;

@@ -70,8 +70,8 @@ pub async fn put_group(
     let settings = GroupSettings::requested_by(&spec);
     let kind = spec.kind;
     let config = spec.into_config()?;
-    let outcome = state.groups.put(&stream, &group, config, membership_given, settings).await?;
-    let view = state.groups.view(&stream, &group, Some(kind)).await?;
+    let outcome = state.runtime.stores.groups.put(&stream, &group, config, membership_given, settings).await?;
+    let view = state.runtime.stores.groups.view(&stream, &group, Some(kind)).await?;
     let status = if outcome == PutOutcome::Created { StatusCode::CREATED } else { StatusCode::OK };
     Ok((status, Json(view)))
 }
@@ -95,8 +95,10 @@ pub async fn get_group(
     Query(query): Query<KindQuery>,
 ) -> Result<Json<GroupView>, ApiError> {
     use crate::status::observe::{observe, Instances};
-    let instances = state.instances.as_ref().map_or(Instances::RollCall, |ctx| Instances::Live(&ctx.cluster.replicas));
-    let view = observe(&state.groups, &state.nats, &stream, &group, query.kind, instances).await?;
+    let instances = Instances::Live(&state.runtime.cluster.replicas);
+    let view =
+        observe(&state.runtime.stores.groups, &state.runtime.broker.client, &stream, &group, query.kind, instances)
+            .await?;
     Ok(Json(view))
 }
 
@@ -118,7 +120,7 @@ async fn partition_operation(
     partition: u32,
     control: Control,
 ) -> Result<Json<PartitionOperation>, ApiError> {
-    let stored = state.groups.load(&stream, &group, None).await?;
+    let stored = state.runtime.stores.groups.load(&stream, &group, None).await?;
     let config = &stored.config;
     if partition >= config.partitions() {
         return Err(ApiError::NotFound(format!("group {group} has partitions 0 to {}", config.partitions() - 1)));
@@ -130,7 +132,7 @@ async fn partition_operation(
         .ok_or_else(|| ApiError::Conflict(format!("no member owns partition {partition}")))?;
     let member = MemberName::parse(&owner)?;
     let who = MemberRef { stream, group, member: member.clone(), owner: Default::default() };
-    let reply = ask(&state.nats, &who, &control).await.ok_or_else(|| {
+    let reply = ask(&state.runtime.broker.client, &who, &control).await.ok_or_else(|| {
         ApiError::Conflict(format!(
             "no keygate instance holds member {member}'s pin, so nothing is delivering partition {partition}"
         ))
@@ -262,7 +264,7 @@ pub async fn delete_group(
     Path((stream, group)): Path<(StreamName, GroupName)>,
     Query(query): Query<KindQuery>,
 ) -> Result<StatusCode, ApiError> {
-    state.groups.delete(&stream, &group, query.kind).await?;
+    state.runtime.stores.groups.delete(&stream, &group, query.kind).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -281,7 +283,7 @@ pub async fn list_groups(
     State(state): State<AppState>,
     Path(stream): Path<StreamName>,
 ) -> Result<Json<Vec<GroupSummary>>, ApiError> {
-    Ok(Json(state.groups.list(&stream).await?))
+    Ok(Json(state.runtime.stores.groups.list(&stream).await?))
 }
 
 /// Adds members to an elastic group; partitions are re-balanced live.
@@ -302,7 +304,7 @@ pub async fn add_members(
     Path((stream, group)): Path<(StreamName, GroupName)>,
     Json(body): Json<AddMembers>,
 ) -> Result<Json<MembershipView>, ApiError> {
-    Ok(Json(state.groups.add_members(&stream, &group, &body.members).await?))
+    Ok(Json(state.runtime.stores.groups.add_members(&stream, &group, &body.members).await?))
 }
 
 /// Drops a member from an elastic group; its partitions move to the others.
@@ -321,7 +323,7 @@ pub async fn drop_member(
     State(state): State<AppState>,
     Path((stream, group, member)): Path<(StreamName, GroupName, MemberName)>,
 ) -> Result<Json<MembershipView>, ApiError> {
-    Ok(Json(state.groups.drop_member(&stream, &group, &member).await?))
+    Ok(Json(state.runtime.stores.groups.drop_member(&stream, &group, &member).await?))
 }
 
 /// Replaces an elastic group's membership with explicit mappings covering
@@ -349,7 +351,7 @@ pub async fn put_mappings(
         .into_iter()
         .map(|m| MemberMapping { member: m.member.to_string(), partitions: Some(m.partitions) })
         .collect();
-    Ok(Json(state.groups.set_mappings(&stream, &group, mappings).await?))
+    Ok(Json(state.runtime.stores.groups.set_mappings(&stream, &group, mappings).await?))
 }
 
 /// Removes an elastic group's mappings (it then has no members until some
@@ -369,7 +371,7 @@ pub async fn delete_mappings(
     State(state): State<AppState>,
     Path((stream, group)): Path<(StreamName, GroupName)>,
 ) -> Result<Json<MembershipView>, ApiError> {
-    Ok(Json(state.groups.delete_mappings(&stream, &group).await?))
+    Ok(Json(state.runtime.stores.groups.delete_mappings(&stream, &group).await?))
 }
 
 /// Unpins the member's current instance; a standby instance takes over.
@@ -387,6 +389,6 @@ pub async fn step_down(
     State(state): State<AppState>,
     Path((stream, group, member)): Path<(StreamName, GroupName, MemberName)>,
 ) -> Result<StatusCode, ApiError> {
-    state.groups.step_down(&stream, &group, &member).await?;
+    state.runtime.stores.groups.step_down(&stream, &group, &member).await?;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -38,10 +38,10 @@ pub async fn healthz() -> &'static str {
     )
 )]
 pub async fn readyz(State(state): State<AppState>) -> Result<Json<Readiness>, ApiError> {
-    if state.nats.connection_state() != async_nats::connection::State::Connected {
+    if state.runtime.broker.client.connection_state() != async_nats::connection::State::Connected {
         return Err(ApiError::Unavailable("not ready: NATS is not connected".into()));
     }
-    match tokio::time::timeout(Duration::from_secs(2), state.js.query_account()).await {
+    match tokio::time::timeout(Duration::from_secs(2), state.runtime.broker.js.query_account()).await {
         Ok(Ok(_)) => Ok(Json(Readiness { status: "ready".into(), nats_connected: true, jetstream: true })),
         Ok(Err(e)) => {
             tracing::warn!(error = %e, "readiness: JetStream account request failed");

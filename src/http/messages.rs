@@ -175,8 +175,8 @@ pub async fn publish_message(
     }
     async {
         let shape = publishable_shape(&state, &stream).await?;
-        let prepared = publish::prepare(&shape, request, idempotency.as_deref(), state.max_payload());
-        let mut results = publish::publish_all(&state.js, &shape, vec![prepared]).await;
+        let prepared = publish::prepare(&shape, request, idempotency.as_deref(), state.runtime.max_payload());
+        let mut results = publish::publish_all(&state.runtime.broker.js, &shape, vec![prepared]).await;
         record(&stream, &results, "single", started);
         results
             .pop()
@@ -261,7 +261,7 @@ async fn store_batch(
         )));
     }
     let shape = publishable_shape(&state, &stream).await?;
-    let max_payload = state.max_payload();
+    let max_payload = state.runtime.max_payload();
     if batch.atomic {
         let mut prepared = Vec::with_capacity(batch.messages.len());
         for (i, message) in batch.messages.into_iter().enumerate() {
@@ -270,7 +270,7 @@ async fn store_batch(
             prepared.push(item);
         }
         let started = std::time::Instant::now();
-        let acks = publish::publish_atomic(&state.nats, &shape, prepared).await;
+        let acks = publish::publish_atomic(&state.runtime.broker.client, &shape, prepared).await;
         let results: Vec<Result<PublishAck, Error>> = match acks {
             Ok(acks) => acks.into_iter().map(Ok).collect(),
             Err(e) => {
@@ -284,7 +284,7 @@ async fn store_batch(
     }
     let prepared = batch.messages.into_iter().map(|m| publish::prepare(&shape, m, None, max_payload)).collect();
     let started = std::time::Instant::now();
-    let results = publish::publish_all(&state.js, &shape, prepared).await;
+    let results = publish::publish_all(&state.runtime.broker.js, &shape, prepared).await;
     record(&stream, &results, "batch", started);
     let results = results
         .into_iter()

@@ -61,7 +61,7 @@ async fn group_member(
     group: GroupName,
     member: MemberName,
 ) -> Result<MemberRef, ApiError> {
-    let stored = state.groups.load(&stream, &group, None).await?;
+    let stored = state.runtime.stores.groups.load(&stream, &group, None).await?;
     if !stored.config.has_member(member.as_str()) {
         return Err(ApiError::NotFound(format!("member {member} is not in group {group}")));
     }
@@ -91,21 +91,21 @@ async fn pause(
     }
     let by = actor(caller);
     let asked = Pause::by(by.clone(), reason);
-    let (pause, new) = state.pauses.pause(&who, asked).await?;
+    let (pause, new) = state.runtime.stores.pauses.pause(&who, asked).await?;
     if new {
-        let instance = state.instances.as_ref().map_or("keygate", |i| i.cluster.instance_id.as_str());
+        let instance = state.runtime.cluster.instance_id.as_str();
         let about = crate::events::About { who: &who, instance };
-        state.events.emit(Event::member_paused(about, &by, pause.reason.as_deref()));
+        state.runtime.events.emit(Event::member_paused(about, &by, pause.reason.as_deref()));
     }
     Ok(Json(state_of(&who, true, Some(pause))))
 }
 
 async fn resume(state: &AppState, who: MemberRef, caller: Option<&Caller>) -> Result<Json<PauseState>, ApiError> {
-    let lifted = state.pauses.resume(&who).await?;
+    let lifted = state.runtime.stores.pauses.resume(&who).await?;
     if lifted.is_some() {
-        let instance = state.instances.as_ref().map_or("keygate", |i| i.cluster.instance_id.as_str());
+        let instance = state.runtime.cluster.instance_id.as_str();
         let about = crate::events::About { who: &who, instance };
-        state.events.emit(Event::member_resumed(about, &actor(caller)));
+        state.runtime.events.emit(Event::member_resumed(about, &actor(caller)));
     }
     Ok(Json(state_of(&who, false, lifted)))
 }

@@ -19,7 +19,7 @@ use crate::delivery::webhook::{check_max_in_flight, MAX_RETRY_AFTER};
 use crate::http::problem::{ApiError, Problem};
 use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
 use crate::runtime::join::pinned_ttl;
-use crate::runtime::pull_instances::{PullInstance, PullInstances, PullTarget, SettleFailure, StartOptions};
+use crate::runtime::pull_instances::{PullInstance, PullTarget, SettleFailure, StartOptions};
 
 /// Most messages one fetch returns, and most verdicts one `acks` request carries.
 const MAX_BATCH: usize = 1000;
@@ -161,7 +161,7 @@ pub async fn fetch_member(
 ) -> Result<Json<FetchAnswer>, ApiError> {
     let request = request.unwrap_or_default();
     let batch = Batch::of(request.max_messages, request.wait_ms)?;
-    let pulls = pulls(&state)?;
+    let pulls = state.pulls.clone();
     let target = PullTarget::Member { stream: stream.clone(), group: group.clone(), member: member.clone() };
     let named = request.max_attempts.is_some() || request.max_in_flight.is_some();
     let max_attempts = max_attempts_of(request.max_attempts)?;
@@ -170,7 +170,7 @@ pub async fn fetch_member(
         Some(instance) => instance,
         None => {
             check_member(&state, &stream, &group, &member).await?;
-            let settings = state.groups.settings(&stream, &group).await?;
+            let settings = state.runtime.stores.groups.settings(&stream, &group).await?;
             let ack_wait =
                 Duration::from_millis(settings.ack_wait_ms.unwrap_or(crate::groups::store::DEFAULT_ACK_WAIT_MS));
             let options = StartOptions {
@@ -216,7 +216,7 @@ pub async fn fetch_subscriber(
 ) -> Result<Json<FetchAnswer>, ApiError> {
     let request = request.unwrap_or_default();
     let batch = Batch::of(request.max_messages, request.wait_ms)?;
-    let pulls = pulls(&state)?;
+    let pulls = state.pulls.clone();
     let target =
         PullTarget::Subscriber { stream: stream.clone(), consumer: consumer.clone(), subscriber: subscriber.clone() };
     let max_attempts = max_attempts_of(request.max_attempts)?;
@@ -298,10 +298,6 @@ pub async fn settle_subscriber(
     settle(&state, PullTarget::Subscriber { stream, consumer, subscriber }, request).await
 }
 
-fn pulls(state: &AppState) -> Result<PullInstances, ApiError> {
-    state.pulls.clone().ok_or_else(|| ApiError::Unavailable("keygate is starting".into()))
-}
-
 fn started_otherwise(target: &PullTarget, instance: &PullInstance) -> ApiError {
     let StartOptions { max_attempts, max_in_flight, subscriber, .. } = instance.options;
     let mut running = format!("max_attempts {max_attempts}");
@@ -358,7 +354,7 @@ impl Batch {
 async fn settle(state: &AppState, target: PullTarget, request: AckRequest) -> Result<Json<AckAnswer>, ApiError> {
     let frames = frames_of(request)?;
     let count = frames.len();
-    let failed = pulls(state)?.settle(&target, frames).await;
+    let failed = state.pulls.settle(&target, frames).await;
     Ok(Json(AckAnswer { settled: count - failed.len(), failed }))
 }
 

@@ -31,7 +31,17 @@ pub async fn seek_group(
     Path((stream, group)): Path<(StreamName, GroupName)>,
     Json(request): Json<SeekRequest>,
 ) -> Result<Json<SeekAnswer>, ApiError> {
-    Ok(Json(crate::seek::seek_group(&state.groups, &state.pauses, &state.js, &stream, &group, request.to).await?))
+    Ok(Json(
+        crate::seek::seek_group(
+            &state.runtime.stores.groups,
+            &state.runtime.stores.pauses,
+            &state.runtime.broker.js,
+            &stream,
+            &group,
+            request.to,
+        )
+        .await?,
+    ))
 }
 
 /// Makes a plain consumer start again at a time, a sequence or the end of
@@ -53,5 +63,5 @@ pub async fn seek_consumer(
     Path((stream, consumer)): Path<(StreamName, ConsumerName)>,
     Json(request): Json<SeekRequest>,
 ) -> Result<Json<SeekAnswer>, ApiError> {
-    Ok(Json(crate::seek::seek_consumer(&state.js, &stream, &consumer, request.to).await?))
+    Ok(Json(crate::seek::seek_consumer(&state.runtime.broker.js, &stream, &consumer, request.to).await?))
 }

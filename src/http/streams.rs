@@ -88,7 +88,7 @@ pub async fn delete_stream(
     Path(stream): Path<StreamName>,
     Query(query): Query<DeleteQuery>,
 ) -> Result<StatusCode, ApiError> {
-    let groups = match state.groups.list(&stream).await {
+    let groups = match state.runtime.stores.groups.list(&stream).await {
         Ok(groups) => groups,
         Err(crate::error::Error::NotFound(_)) => Vec::new(),
         Err(e) => return Err(e.into()),
@@ -102,7 +102,7 @@ pub async fn delete_stream(
     }
     for g in &groups {
         let name = crate::names::GroupName::parse(&g.group)?;
-        state.groups.delete(&stream, &name, Some(g.kind)).await?;
+        state.runtime.stores.groups.delete(&stream, &name, Some(g.kind)).await?;
     }
     state.streams.delete(&stream).await?;
     Ok(StatusCode::NO_CONTENT)

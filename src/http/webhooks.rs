@@ -49,12 +49,12 @@ pub async fn put_webhook(
     Path((stream, group, member)): Path<(StreamName, GroupName, MemberName)>,
     Json(spec): Json<WebhookSpec>,
 ) -> Result<(StatusCode, Json<WebhookView>), ApiError> {
-    let stored = state.groups.load(&stream, &group, None).await?;
+    let stored = state.runtime.stores.groups.load(&stream, &group, None).await?;
     if !stored.config.has_member(member.as_str()) {
         return Err(ApiError::NotFound(format!("member {member} is not in group {group}")));
     }
     let key = registration_key(stream.as_str(), group.as_str(), member.as_str());
-    let (created, registration, secret) = state.webhooks.put(&key, spec).await?;
+    let (created, registration, secret) = state.runtime.stores.webhooks.put(&key, spec).await?;
     let status = if created { StatusCode::CREATED } else { StatusCode::OK };
     Ok((status, Json(view(&stream, &group, &member, registration, secret))))
 }
@@ -76,6 +76,8 @@ pub async fn get_webhook(
 ) -> Result<Json<WebhookView>, ApiError> {
     let key = registration_key(stream.as_str(), group.as_str(), member.as_str());
     let registration = state
+        .runtime
+        .stores
         .webhooks
         .get(&key)
         .await?
@@ -99,7 +101,7 @@ pub async fn delete_webhook(
     Path((stream, group, member)): Path<(StreamName, GroupName, MemberName)>,
 ) -> Result<StatusCode, ApiError> {
     let key = registration_key(stream.as_str(), group.as_str(), member.as_str());
-    if state.webhooks.delete(&key).await? {
+    if state.runtime.stores.webhooks.delete(&key).await? {
         Ok(StatusCode::NO_CONTENT)
     } else {
         Err(ApiError::NotFound(format!("no webhook is registered for member {member}")))
@@ -130,6 +132,8 @@ pub async fn rotate_secret(
     let overlap = request.unwrap_or_default().overlap()?;
     let key = registration_key(stream.as_str(), group.as_str(), member.as_str());
     let (registration, secret) = state
+        .runtime
+        .stores
         .webhooks
         .rotate_secret(&key, overlap)
         .await?

@@ -79,7 +79,7 @@ pub async fn join_member(
     crate::delivery::webhook::check_max_in_flight(options.max_in_flight)?;
     limits.max_in_flight = options.max_in_flight;
     check_member(&state, &stream, &group, &member).await?;
-    let instances = state.instances.clone().ok_or_else(|| ApiError::Unavailable("keygate is starting".into()))?;
+    let instances = state.runtime.clone();
     let limit = state.settings.ws_max_connections_per_member;
     let slot = state.sockets_per_member.take(format!("member {stream}/{group}/{member}"), limit)?;
     let events_of = crate::events::subject_filter(Some(stream.as_str()), Some(group.as_str()), Some(member.as_str()));
@@ -187,7 +187,7 @@ pub async fn join_consumer(
         options.min_ack_pending,
         options.concurrency,
     )?;
-    let instances = state.instances.clone().ok_or_else(|| ApiError::Unavailable("keygate is starting".into()))?;
+    let instances = state.runtime.clone();
     let events_of =
         crate::events::subject_filter(Some(stream.as_str()), Some(consumer.as_str()), Some(subscriber.as_str()));
     let limit = state.settings.ws_max_connections_per_member;
@@ -253,7 +253,7 @@ pub(super) async fn check_member(
     group: &GroupName,
     member: &MemberName,
 ) -> Result<(), ApiError> {
-    let stored = state.groups.load(stream, group, None).await?;
+    let stored = state.runtime.stores.groups.load(stream, group, None).await?;
     if !stored.config.has_member(member.as_str()) {
         return Err(ApiError::NotFound(format!("{member} is not a member of group {group}")));
     }
@@ -296,16 +296,12 @@ async fn serve_connection(
     let endpoint = Arc::new(endpoint);
     let session_cancel = CancellationToken::new();
     let mut session = tokio::spawn(run(Arc::new(Endpoint::Socket(endpoint.clone())), session_cancel.clone()));
-    let subscriptions = state.instances.as_ref().map(|i| i.subscriptions.clone());
-    let mut events = match subscriptions {
-        Some(subscriptions) => match subscriptions.subscribe(&events_of).await {
-            Ok(s) => Some(s),
-            Err(e) => {
-                tracing::warn!(error = %e, "WebSocket member without events");
-                None
-            }
-        },
-        None => None,
+    let mut events = match state.runtime.broker.subscriptions.subscribe(&events_of).await {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!(error = %e, "WebSocket member without events");
+            None
+        }
     };
     let ping_every = state.settings.ws_ping_interval;
     let mut ping = tokio::time::interval_at(tokio::time::Instant::now() + ping_every, ping_every);

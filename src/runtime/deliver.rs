@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use async_nats::jetstream::AckKind;
 
-use super::context::InstanceContext;
 use super::lanes::{Settled, Settlement};
+use super::Runtime;
 use crate::cloudevents;
 use crate::dead_letters::{self, DeadLetter};
 use crate::delivery::endpoint::{Endpoint, WebhookEndpoint};
@@ -140,13 +140,7 @@ fn client_answered(
 }
 
 /// One delivery: call the endpoint, apply its verdict to the message.
-pub async fn deliver(
-    ctx: Arc<InstanceContext>,
-    who: MemberRef,
-    endpoint: Arc<Endpoint>,
-    held: Held,
-    fencing: u64,
-) -> Outcome {
+pub async fn deliver(ctx: Arc<Runtime>, who: MemberRef, endpoint: Arc<Endpoint>, held: Held, fencing: u64) -> Outcome {
     let labels = [("stream", who.stream.to_string()), ("group", who.group.to_string())];
     let span = tracing::info_span!("deliver", "otel.kind" = "client", stream = %who.stream, group = %who.group,
         member = %who.member, partition = held.partition, seq = held.origin_seq, attempt = held.attempt,
@@ -169,7 +163,7 @@ pub async fn deliver(
             let trace = TraceContext::of_span(&span);
             let request = outbound(registration, &who, &held, fencing, trace.as_ref());
             let sent = std::time::Instant::now();
-            let judgement = ctx.webhooks.call(registration, signer, credentials, &request).await;
+            let judgement = ctx.webhook_client.call(registration, signer, credentials, &request).await;
             span.record("endpoint_ms", sent.elapsed().as_secs_f64() * 1000.0);
             metrics::histogram!(crate::metrics::ENDPOINT_SECONDS, &labels).record(called.elapsed().as_secs_f64());
             let step = protection.record(judgement.failed);
@@ -222,7 +216,7 @@ pub async fn deliver(
 /// Dead-letters then terminates; if the copy cannot be stored, the message
 /// is NAK'd instead (it is never terminated without its copy).
 async fn terminate(
-    ctx: &InstanceContext,
+    ctx: &Runtime,
     who: &MemberRef,
     held: &Delivered,
     reason: &str,
@@ -250,7 +244,7 @@ async fn nak(about: About<'_>, held: &Delivered, delay: Duration, error: &str, e
 /// probe's outcome resumes it or schedules the next probe. The message's
 /// own verdict is applied as usual either way.
 async fn breaker_step(
-    ctx: &InstanceContext,
+    ctx: &Runtime,
     who: &MemberRef,
     protection: &Protection,
     step: BreakerStep,
@@ -263,7 +257,7 @@ async fn breaker_step(
         BreakerStep::Trip { failures } => {
             let probe_every = protection.breaker().and_then(|b| b.probe_interval_ms).map(Duration::from_millis);
             let why = format!("{failures} deliveries in a row failed (last: {})", judgement.reason);
-            match ctx.pauses.pause(who, Pause::by_breaker(why, probe_every)).await {
+            match ctx.stores.pauses.pause(who, Pause::by_breaker(why, probe_every)).await {
                 Ok((pause, true)) => {
                     metrics::counter!(crate::metrics::BREAKER_TRIPS, "stream" => who.stream.to_string(), "group" => who.group.to_string())
                         .increment(1);
@@ -278,13 +272,13 @@ async fn breaker_step(
                 }
             }
         }
-        BreakerStep::ProbeSucceeded => match ctx.pauses.resume(who).await {
+        BreakerStep::ProbeSucceeded => match ctx.stores.pauses.resume(who).await {
             Ok(Some(_)) => events.push(Event::member_resumed(about, BREAKER)),
             Ok(None) => {}
             Err(e) => tracing::warn!(member = %who.member, error = %e, "circuit breaker could not resume the member"),
         },
         BreakerStep::ProbeFailed => {
-            if let Err(e) = ctx.pauses.probe_failed(who).await {
+            if let Err(e) = ctx.stores.pauses.probe_failed(who).await {
                 tracing::warn!(member = %who.member, error = %e, "circuit breaker could not schedule its next probe");
             }
         }
@@ -294,13 +288,13 @@ async fn breaker_step(
 /// Copies the message to the dead-letter stream, then terminates it: it is
 /// never terminated without its copy stored.
 pub async fn dead_letter_and_term(
-    ctx: &InstanceContext,
+    ctx: &Runtime,
     who: &MemberRef,
     held: &Delivered,
     reason: &str,
 ) -> anyhow::Result<Vec<Event>> {
     let stored = dead_letters::record(
-        &ctx.js,
+        &ctx.broker.js,
         DeadLetter {
             owner: who.owner,
             stream: who.stream.as_str(),

@@ -10,10 +10,10 @@ use std::time::Duration;
 use async_nats::jetstream::consumer::PriorityPolicy;
 use tokio_util::sync::CancellationToken;
 
-use super::context::InstanceContext;
 use super::driver::{Dispatch, Driver, Ended, Joined, MemberJoined, SubscriberJoined, Watches};
 use super::join::{join, pinned_ttl, JoinError};
 use super::target::Target;
+use super::Runtime;
 use crate::delivery::endpoint::Endpoint;
 use crate::delivery::frames::ServerFrame;
 use crate::delivery::message::Partitioning;
@@ -27,14 +27,9 @@ use crate::member_ref::MemberRef;
 use crate::pauses::{wait_while_paused, Waited, PAUSES_BUCKET};
 
 /// Serves `target` through its webhook registration until `cancel`.
-pub async fn serve_webhook(
-    ctx: Arc<InstanceContext>,
-    target: Target,
-    registration: Registration,
-    cancel: CancellationToken,
-) {
+pub async fn serve_webhook(ctx: Arc<Runtime>, target: Target, registration: Registration, cancel: CancellationToken) {
     let who = target.who().clone();
-    let endpoint = match Endpoint::webhook(registration, &ctx.webhooks) {
+    let endpoint = match Endpoint::webhook(registration, &ctx.webhook_client) {
         Ok(endpoint) => endpoint,
         Err(e) => {
             tracing::error!(stream = %who.stream, group = %who.group, member = %who.member, error = %e,
@@ -50,7 +45,7 @@ pub async fn serve_webhook(
 /// Serves `target` through `endpoint` until `cancel`: waits while it is
 /// paused, joins its consumer, drives it, and joins again after a
 /// rebalance, a resume or a lost consumer.
-pub async fn serve(ctx: Arc<InstanceContext>, target: Target, endpoint: Arc<Endpoint>, cancel: CancellationToken) {
+pub async fn serve(ctx: Arc<Runtime>, target: Target, endpoint: Arc<Endpoint>, cancel: CancellationToken) {
     let who = target.who().clone();
     let _running = target.is_member().then(|| Running::count(&who));
     let mut last_partitions: Option<Vec<u32>> = None;
@@ -63,10 +58,10 @@ pub async fn serve(ctx: Arc<InstanceContext>, target: Target, endpoint: Arc<Endp
         let configs = (ctx.config_watch.subscribe(STATIC_BUCKET), ctx.config_watch.subscribe(ELASTIC_BUCKET));
         let settings = ctx.config_watch.subscribe(SETTINGS_BUCKET);
         let mut pauses = ctx.config_watch.subscribe(PAUSES_BUCKET);
-        if !matches!(ctx.pauses.get(&who).await, Ok(None)) {
+        if !matches!(ctx.stores.pauses.get(&who).await, Ok(None)) {
             // Paused (or its flag unreadable): no pulls, so no pin.
             let probe = endpoint.probe_lease().map(|lease| (ctx.cluster.instance_id.as_str(), lease));
-            match wait_while_paused(&ctx.pauses, &who, probe, pauses, &cancel).await {
+            match wait_while_paused(&ctx.stores.pauses, &who, probe, pauses, &cancel).await {
                 Waited::Cancelled => return,
                 Waited::Resumed => {
                     if let Some(protection) = endpoint.protection() {
@@ -136,8 +131,13 @@ pub async fn serve(ctx: Arc<InstanceContext>, target: Target, endpoint: Arc<Endp
                 let elastic = stream_name != who.stream.as_str();
                 match member {
                     Some((_, old_filters)) if pinned && elastic => {
-                        Box::pin(super::join::delete_if_unchanged(&ctx.js, &stream_name, &consumer, &old_filters))
-                            .await;
+                        Box::pin(super::join::delete_if_unchanged(
+                            &ctx.broker.js,
+                            &stream_name,
+                            &consumer,
+                            &old_filters,
+                        ))
+                        .await;
                     }
                     _ => {
                         if sleep_or_cancel(&cancel, Duration::from_millis(rand::random_range(400..500))).await {
@@ -161,13 +161,13 @@ enum Step {
 /// Joins a group member's consumer as pcgroups does, telling the endpoint
 /// and events when its partitions changed.
 async fn join_member(
-    ctx: &InstanceContext,
+    ctx: &Runtime,
     who: &MemberRef,
     endpoint: &Endpoint,
     last_partitions: &mut Option<Vec<u32>>,
     cancel: &CancellationToken,
 ) -> Step {
-    let stored = match Box::pin(ctx.groups.load(&who.stream, &who.group, None)).await {
+    let stored = match Box::pin(ctx.stores.groups.load(&who.stream, &who.group, None)).await {
         Ok(g) => g,
         Err(e) => {
             tracing::debug!(error = %e, "group not available; waiting");
@@ -177,7 +177,7 @@ async fn join_member(
     let (revision, config) = (stored.revision, ctx.share_config(who, stored.revision, stored.config));
     // Unreadable settings keep the defaults: ack wait 5 s and partition
     // ordering, the stricter order.
-    let settings = Box::pin(ctx.groups.settings(&who.stream, &who.group)).await.unwrap_or_default();
+    let settings = Box::pin(ctx.stores.groups.settings(&who.stream, &who.group)).await.unwrap_or_default();
     let ack_wait = Duration::from_millis(settings.ack_wait_ms.unwrap_or(DEFAULT_ACK_WAIT_MS));
     let partitions = config.partitions_of(who.member.as_str());
     if last_partitions.as_ref() != Some(&partitions) {
@@ -194,7 +194,8 @@ async fn join_member(
         *last_partitions = Some(partitions);
     }
     let joined =
-        Box::pin(join(&ctx.js, &config, who.stream.as_str(), who.group.as_str(), who.member.as_str(), ack_wait)).await;
+        Box::pin(join(&ctx.broker.js, &config, who.stream.as_str(), who.group.as_str(), who.member.as_str(), ack_wait))
+            .await;
     let (stream_name, consumer) = match joined {
         Ok(names) => names,
         Err(JoinError::Overlap) => return Step::Retry(ack_wait + Duration::from_millis(500)),
@@ -222,9 +223,9 @@ async fn join_member(
 
 /// Reads a plain consumer as it is now; retries while it or its stream is
 /// missing.
-async fn join_subscriber(ctx: &InstanceContext, who: &MemberRef, options: SubscriberOptions) -> Step {
+async fn join_subscriber(ctx: &Runtime, who: &MemberRef, options: SubscriberOptions) -> Step {
     let (stream_name, consumer) = (who.stream.as_str(), who.group.as_str());
-    let stream = match ctx.js.get_stream(stream_name).await {
+    let stream = match ctx.broker.js.get_stream(stream_name).await {
         Ok(stream) => stream,
         Err(e) => {
             tracing::debug!(stream = stream_name, error = %e, "subscriber's stream not available; waiting");
@@ -282,7 +283,7 @@ async fn sleep_or_cancel(cancel: &CancellationToken, duration: Duration) -> bool
 
 /// Waits until the group's configuration changes; true when cancelled.
 async fn wait_for_group_change(
-    ctx: &InstanceContext,
+    ctx: &Runtime,
     who: &MemberRef,
     config: &GroupConfig,
     revision: u64,
@@ -292,7 +293,7 @@ async fn wait_for_group_change(
         if sleep_or_cancel(cancel, Duration::from_millis(500)).await {
             return true;
         }
-        match ctx.groups.load(&who.stream, &who.group, Some(config.kind())).await {
+        match ctx.stores.groups.load(&who.stream, &who.group, Some(config.kind())).await {
             Ok(g) if g.revision == revision => continue,
             _ => return false,
         }
@@ -301,10 +302,10 @@ async fn wait_for_group_change(
 
 /// 410 Gone: the endpoint asked to stop; remove the registration if it is
 /// still the one that answered (every replica then stops).
-async fn deregister(ctx: &InstanceContext, target: &Target, registration: &Registration) {
+async fn deregister(ctx: &Runtime, target: &Target, registration: &Registration) {
     let who = target.who();
     let key = registration_key(who.stream.as_str(), who.group.as_str(), who.member.as_str());
-    let store = if target.is_member() { &ctx.webhook_store } else { &ctx.consumer_webhook_store };
+    let store = if target.is_member() { &ctx.stores.webhooks } else { &ctx.stores.consumer_webhooks };
     if let Ok(Some(current)) = store.get(&key).await {
         if current.url == registration.url {
             let _ = store.delete(&key).await;

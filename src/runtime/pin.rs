@@ -5,7 +5,7 @@
 
 use async_nats::jetstream::consumer;
 
-use super::context::InstanceContext;
+use super::Runtime;
 use crate::delivery::endpoint::Endpoint;
 use crate::delivery::frames::ServerFrame;
 use crate::events::Event;
@@ -100,7 +100,7 @@ pub fn pinned_to_someone(info: &consumer::Info) -> bool {
 /// Tells events and a WebSocket client that `who` is pinned here (`reason`:
 /// why the pin moved, when it is known, as for a rebalance).
 pub fn announce_pinned(
-    ctx: &InstanceContext,
+    ctx: &Runtime,
     who: &MemberRef,
     endpoint: &Endpoint,
     pin_id: String,
@@ -116,13 +116,13 @@ pub fn announce_pinned(
 }
 
 /// Tells events and a WebSocket client that `who` lost its pin here.
-pub fn announce_unpinned(ctx: &InstanceContext, who: &MemberRef, endpoint: &Endpoint, why: &str, partitions: Vec<u32>) {
+pub fn announce_unpinned(ctx: &Runtime, who: &MemberRef, endpoint: &Endpoint, why: &str, partitions: Vec<u32>) {
     ctx.events.emit(Event::member_unpinned(ctx.about(who), why));
     endpoint.notify(|| ServerFrame::Standby { partitions });
 }
 
 /// Tells events and a WebSocket client that `who` stands by here.
-pub fn announce_standby(ctx: &InstanceContext, who: &MemberRef, endpoint: &Endpoint, partitions: Vec<u32>) {
+pub fn announce_standby(ctx: &Runtime, who: &MemberRef, endpoint: &Endpoint, partitions: Vec<u32>) {
     ctx.events.emit(Event::member_standby(ctx.about(who)));
     endpoint.notify(|| ServerFrame::Standby { partitions });
 }

@@ -21,9 +21,9 @@ use crate::delivery::pull::{new_replica_tag, replica_of, PullEndpoint, PullStatu
 use crate::delivery::webhook::SubscriberOptions;
 use crate::error::Error;
 use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
-use crate::runtime::context::InstanceContext;
 use crate::runtime::instance::serve;
 use crate::runtime::target::Target;
+use crate::runtime::Runtime;
 
 /// Where verdicts for another replica's deliveries go: `<prefix><replica tag>`.
 pub const FORWARD_PREFIX: &str = "keygate.pull.";
@@ -116,7 +116,7 @@ pub struct PullInstances {
 }
 
 struct Inner {
-    ctx: Arc<InstanceContext>,
+    ctx: Arc<Runtime>,
     /// Starts every ack id this replica hands out.
     replica: String,
     running: Mutex<HashMap<PullTarget, Arc<PullInstance>>>,
@@ -128,14 +128,15 @@ struct Inner {
 impl PullInstances {
     /// The registry, listening for verdicts other replicas forward here.
     pub async fn start(
-        ctx: Arc<InstanceContext>,
+        ctx: Arc<Runtime>,
         max_instances: usize,
         tasks: TaskTracker,
         shutdown: CancellationToken,
     ) -> Result<Self, Error> {
         let replica = new_replica_tag();
         let forwarded = ctx
-            .nats
+            .broker
+            .client
             .subscribe(format!("{FORWARD_PREFIX}{replica}"))
             .await
             .map_err(|e| Error::Unavailable(format!("subscribing for forwarded verdicts: {e}")))?;
@@ -276,7 +277,7 @@ impl PullInstances {
         let Ok(payload) = serde_json::to_vec(&Forwarded { target: target.clone(), frames }) else {
             return all_failed("could not encode the verdicts");
         };
-        let request = self.inner.ctx.nats.request(format!("{FORWARD_PREFIX}{replica}"), payload.into());
+        let request = self.inner.ctx.broker.client.request(format!("{FORWARD_PREFIX}{replica}"), payload.into());
         match tokio::time::timeout(FORWARD_TIMEOUT, request).await {
             Ok(Ok(reply)) => serde_json::from_slice(&reply.payload)
                 .unwrap_or_else(|_| all_failed("the keygate that handed this out gave an unreadable answer")),
@@ -295,7 +296,7 @@ impl PullInstances {
             let Ok(forwarded) = serde_json::from_slice::<Forwarded>(&request.payload) else { continue };
             let failed = self.settle_here(&forwarded.target, forwarded.frames);
             if let Ok(payload) = serde_json::to_vec(&failed) {
-                let _ = self.inner.ctx.nats.publish(reply_to, payload.into()).await;
+                let _ = self.inner.ctx.broker.client.publish(reply_to, payload.into()).await;
             }
         }
     }

@@ -11,9 +11,9 @@ use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::context::InstanceContext;
 use super::instance::serve_webhook;
 use super::target::{Target, DEFAULT_SUBSCRIBER_OPTIONS};
+use super::Runtime;
 use crate::delivery::webhook::{redact_url, Registration, CONSUMER_WEBHOOKS_BUCKET, WEBHOOKS_BUCKET};
 use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
 
@@ -47,7 +47,7 @@ fn subscriber_of(key: &str, registration: &Registration) -> Option<Target> {
 /// Watches members' and consumer subscribers' registrations until
 /// `shutdown`, then stops every instance (each finishes or NAKs its
 /// deliveries in flight) and returns.
-pub async fn supervise(ctx: Arc<InstanceContext>, shutdown: CancellationToken) {
+pub async fn supervise(ctx: Arc<Runtime>, shutdown: CancellationToken) {
     let members = supervise_bucket(ctx.clone(), WEBHOOKS_BUCKET, shutdown.clone(), |ctx, key, registration, token| {
         let target = member_of(&key);
         async move {
@@ -73,16 +73,16 @@ pub async fn supervise(ctx: Arc<InstanceContext>, shutdown: CancellationToken) {
 
 /// Runs `run` for every registration in `bucket`, restarting it when the
 /// registration changes and stopping it when it is removed.
-async fn supervise_bucket<F, Fut>(ctx: Arc<InstanceContext>, bucket: &'static str, shutdown: CancellationToken, run: F)
+async fn supervise_bucket<F, Fut>(ctx: Arc<Runtime>, bucket: &'static str, shutdown: CancellationToken, run: F)
 where
-    F: Fn(Arc<InstanceContext>, String, Registration, CancellationToken) -> Fut,
+    F: Fn(Arc<Runtime>, String, Registration, CancellationToken) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
     let tracker = TaskTracker::new();
     let mut running: HashMap<String, Running> = HashMap::new();
     'watching: while !shutdown.is_cancelled() {
         // The bucket appears with the first registration; until then, look again.
-        let store = match ctx.js.get_key_value(bucket).await {
+        let store = match ctx.broker.js.get_key_value(bucket).await {
             Ok(store) => store,
             Err(e) => {
                 tracing::debug!(bucket, error = %e, "no registrations yet");

@@ -535,3 +535,24 @@ async fn next_event(events: &mut async_nats::Subscriber, wanted: &str, within: D
     .await
     .unwrap_or_else(|_| panic!("no {wanted} event within {within:?}"))
 }
+
+/// A subscriber's endpoint that answers 410 Gone asked to stop, as a
+/// member's does: it is not served any more and its registration is gone.
+#[tokio::test]
+async fn a_subscriber_whose_webhook_answers_410_is_deregistered() {
+    use crate::support::receiver::{Answer, Receiver};
+    let app = TestApp::start().await;
+    setup(&app).await;
+    assert_eq!(app.put("/v1/streams/JOBS/consumers/gone", json!({"policy":"none"})).await.0, 201);
+    let receiver = Receiver::start(|_, _| Answer::status(410)).await;
+    subscribe(&app, "gone", "w", receiver.url("/w"), json!({})).await;
+    publish_jobs(&app, 0, 3).await;
+    let path = "/v1/streams/JOBS/consumers/gone/subscribers/w/webhook";
+    crate::support::eventually(Duration::from_secs(15), || async { (app.get(path).await.0 == 404).then_some(()) })
+        .await;
+    let answered = receiver.requests().len();
+    assert!(answered >= 1, "the endpoint was asked");
+    publish_jobs(&app, 3, 3).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(receiver.requests().len(), answered, "nothing was delivered after the 410");
+}

@@ -37,7 +37,7 @@ impl Driver {
         };
         let Some(answer) = answer else { return };
         if let Ok(payload) = serde_json::to_vec(&answer) {
-            let _ = self.ctx().nats.publish(reply_to, payload.into()).await;
+            let _ = self.ctx().broker.client.publish(reply_to, payload.into()).await;
         }
     }
 

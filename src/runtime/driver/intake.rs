@@ -28,7 +28,7 @@ impl Driver {
             let holding = self.shared.lock().lanes.holding();
             let Some(batch) = sizing.next_batch(self.pulls.len(), self.pulls.asked(), holding) else { return false };
             let request = self.pull_request(batch, expiry);
-            let outbox = self.shared.ctx.outbox.clone();
+            let outbox = self.shared.ctx.broker.outbox.clone();
             if !self.pulls.send(&outbox, &self.joined.stream_name, &self.joined.consumer, &request).await {
                 return false;
             }
@@ -118,7 +118,7 @@ impl Driver {
             Dispatch::Concurrent(subscriber) => subscriber.partitioning,
         };
         let pulled = Delivered::from_pull(
-            &self.shared.ctx.js,
+            &self.shared.ctx.broker.js,
             reply,
             self.shared.who.stream.as_str(),
             partitioning,

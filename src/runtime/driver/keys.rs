@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use crate::groups::GroupConfig;
 use crate::partition::{decode_key, is_keyless_token, PartitionSpec, SubjectPattern};
-use crate::runtime::context::InstanceContext;
 use crate::runtime::lanes::{LaneId, LaneKey};
+use crate::runtime::Runtime;
 
 /// One subject shape and the 1-based `*` positions its partition is hashed
 /// from (none: the whole subject).
@@ -27,12 +27,12 @@ pub(super) struct KeyLocator {
 impl KeyLocator {
     /// `None` when the stream cannot be read now: a session without keys
     /// would deliver without `keygate-key` for its whole life, so it waits.
-    pub async fn for_group(ctx: &InstanceContext, config: &GroupConfig, stream: &str) -> Option<Self> {
+    pub async fn for_group(ctx: &Runtime, config: &GroupConfig, stream: &str) -> Option<Self> {
         let mut shapes = Vec::new();
         let mut whole_subject = false;
         match config {
             GroupConfig::Static(_) => {
-                let s = ctx.js.get_stream(stream).await.ok()?;
+                let s = ctx.broker.js.get_stream(stream).await.ok()?;
                 if let Some(t) = &s.cached_info().config.subject_transform {
                     if let (Some(spec), Ok(pattern)) =
                         (PartitionSpec::from_transform(&t.destination), SubjectPattern::parse(&t.source))

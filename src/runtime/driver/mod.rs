@@ -34,13 +34,13 @@ use tokio_util::sync::CancellationToken;
 
 use self::keys::KeyLocator;
 use self::worker::{run_worker, unblocked_event, BlockedLanes, LaneShared, LaneState};
-use super::context::InstanceContext;
 use super::lanes::{LaneId, Lanes};
 use super::pin::PinState;
 use super::pull::{DeliveryGaps, OpenPulls};
 use super::shuffle_window::ShuffleWindow;
 use super::target::Target;
 use super::window_share::{WindowShare, RENEW_EVERY};
+use super::Runtime;
 use crate::cluster::balance::ROOM_RECHECK;
 use crate::consumers::Shuffle;
 use crate::delivery::endpoint::Endpoint;
@@ -187,18 +187,13 @@ pub struct Watches {
 
 impl Driver {
     /// `None` when the stream cannot be read now (see [`KeyLocator::for_group`]).
-    pub async fn new(
-        ctx: Arc<InstanceContext>,
-        target: Target,
-        endpoint: Arc<Endpoint>,
-        joined: Joined,
-    ) -> Option<Self> {
+    pub async fn new(ctx: Arc<Runtime>, target: Target, endpoint: Arc<Endpoint>, joined: Joined) -> Option<Self> {
         let who = target.who().clone();
         let keys = match &joined.dispatch {
             Dispatch::Lanes(member) => Some(KeyLocator::for_group(&ctx, &member.config, who.stream.as_str()).await?),
             Dispatch::Concurrent(_) => None,
         };
-        let pulls = OpenPulls::new(ctx.nats.new_inbox());
+        let pulls = OpenPulls::new(ctx.broker.client.new_inbox());
         let session_id = rand::random::<u64>() >> 16;
         let blocked_reported = BlockedLanes::new(&who, ctx.cluster.roster.clone(), session_id);
         let balanced = matches!(&*endpoint, Endpoint::Webhook(_)) && target.is_member();
@@ -214,7 +209,7 @@ impl Driver {
             Dispatch::Concurrent(SubscriberJoined { shuffle: Some(shuffle), .. }) => {
                 let (stream, consumer) = (who.stream.as_str(), joined.consumer.as_str());
                 let max_delay = Duration::from_millis(shuffle.max_delay_ms);
-                let mut share = WindowShare::new(ctx.js.clone(), stream, consumer, max_delay);
+                let mut share = WindowShare::new(ctx.broker.js.clone(), stream, consumer, max_delay);
                 share.renew(shuffle.max_window).await;
                 let window = ShuffleWindow::new(stream, consumer);
                 Some(Shuffling { shuffle: *shuffle, window, share, renew_at: Instant::now() + RENEW_EVERY })
@@ -259,7 +254,7 @@ impl Driver {
         self.joined.member().map(|m| &m.config)
     }
 
-    fn ctx(&self) -> &Arc<InstanceContext> {
+    fn ctx(&self) -> &Arc<Runtime> {
         &self.shared.ctx
     }
 
@@ -274,13 +269,13 @@ impl Driver {
         // the member's resume (the probe succeeded) rejoins at full width.
         let probing = self.shared.endpoint.protection().is_some_and(|p| p.probing());
         let instance_id = self.ctx().cluster.instance_id.clone();
-        let Ok(mut replies) = self.ctx().nats.subscribe(self.pulls.reply_filter()).await else {
+        let Ok(mut replies) = self.ctx().broker.client.subscribe(self.pulls.reply_filter()).await else {
             return Ended::ConsumerGone;
         };
         // Operators' control requests go to group members only.
         let control = if self.target.is_member() {
             let subject = crate::cluster::control::control_subject(self.who());
-            let Ok(control) = self.ctx().subscriptions.subscribe(&subject).await else {
+            let Ok(control) = self.ctx().broker.subscriptions.subscribe(&subject).await else {
                 return Ended::ConsumerGone;
             };
             Some(control)
@@ -303,7 +298,7 @@ impl Driver {
         let wake = self.shared.wake.clone();
         let mut woken = std::pin::pin!(wake.notified());
         let mut room = self.balanced.then(|| self.ctx().cluster.pins.room(self.who()));
-        let mut connections = self.ctx().connections.clone();
+        let mut connections = self.ctx().broker.connections.clone();
         connections.mark_unchanged();
         self.report_pin();
         let end = loop {
@@ -495,7 +490,7 @@ impl Driver {
         if awaited.is_empty() || !self.pin.is_pinned() {
             return;
         }
-        let Ok(handle) = self.ctx().js.get_stream_no_info(&self.joined.stream_name).await else { return };
+        let Ok(handle) = self.ctx().broker.js.get_stream_no_info(&self.joined.stream_name).await else { return };
         for (lane, seq) in awaited {
             // Only the stream leader's definite answer (error code 10037, "no
             // message found") says it is gone; a timeout, no responders or
@@ -547,7 +542,7 @@ impl Driver {
             // Released at once when nobody else may take it now (a pause)
             // or this instance is leaving; a rebalance lets it lapse.
             if matches!(end, Ended::Shutdown | Ended::Gone | Ended::Paused) {
-                if let Ok(handle) = self.ctx().js.get_stream_no_info(&self.joined.stream_name).await {
+                if let Ok(handle) = self.ctx().broker.js.get_stream_no_info(&self.joined.stream_name).await {
                     let group = self.joined.priority_group.as_deref().unwrap_or_default();
                     let _ = handle.unpin_consumer(&self.joined.consumer, group).await;
                 }
@@ -564,7 +559,7 @@ impl Driver {
         if let Some(s) = &self.shuffling {
             s.share.leave().await;
         }
-        let _ = tokio::time::timeout(Duration::from_secs(2), self.ctx().nats.flush()).await;
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.ctx().broker.client.flush()).await;
     }
 }
 

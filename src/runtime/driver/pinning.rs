@@ -60,7 +60,7 @@ impl Driver {
     /// back), then what it held goes back to the server for the next
     /// holder, and it pulls nothing for `hold`.
     pub(super) async fn step_down(&mut self, hold: Duration, why: &str) {
-        let Ok(handle) = self.ctx().js.get_stream_no_info(&self.joined.stream_name).await else { return };
+        let Ok(handle) = self.ctx().broker.js.get_stream_no_info(&self.joined.stream_name).await else { return };
         self.hold_pulls_until = Some(Instant::now() + hold);
         let group = self.joined.priority_group.as_deref().unwrap_or_default();
         if let Err(e) = handle.unpin_consumer(&self.joined.consumer, group).await {
@@ -103,7 +103,7 @@ impl Driver {
     /// stays with its token pending and nothing is delivered (a guessed
     /// token could be lower than the previous holder's).
     async fn raise_fencing_token(&mut self) {
-        match next_token(&self.ctx().js, &self.target.fencing_key()).await {
+        match next_token(&self.ctx().broker.js, &self.target.fencing_key()).await {
             Ok(token) => {
                 self.shared.fencing.store(token, Ordering::Relaxed);
                 self.pin.set_token(token);
@@ -203,7 +203,7 @@ impl Driver {
         }
         // `ours` was counted before asking, so messages arriving meanwhile
         // can only make the server's count higher (the safe side).
-        let Ok(handle) = self.ctx().js.get_stream_no_info(&self.joined.stream_name).await else { return };
+        let Ok(handle) = self.ctx().broker.js.get_stream_no_info(&self.joined.stream_name).await else { return };
         let Ok(info) = handle.consumer_info(&self.joined.consumer).await else { return };
         if barrier {
             // Every message the consumer counts as delivered and un-acked is

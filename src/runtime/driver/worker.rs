@@ -18,9 +18,9 @@ use crate::delivery::endpoint::Endpoint;
 use crate::delivery::message::Held;
 use crate::events::{About, Event};
 use crate::member_ref::MemberRef;
-use crate::runtime::context::InstanceContext;
 use crate::runtime::deliver::{dead_letter_and_term, deliver, Outcome};
 use crate::runtime::lanes::{Blocked, Dispatched, LaneId, LaneKey, Lanes, Settled, Settlement};
+use crate::runtime::Runtime;
 
 /// Lane state shared by the session and the lane workers. Never held across
 /// an await.
@@ -129,7 +129,7 @@ pub(super) fn unblocked_event(about: About<'_>, lane: &LaneId, seq: u64, reason:
 /// What lane workers need.
 #[derive(Clone)]
 pub(super) struct LaneShared {
-    pub ctx: Arc<InstanceContext>,
+    pub ctx: Arc<Runtime>,
     pub who: MemberRef,
     pub endpoint: Arc<Endpoint>,
     pub state: Arc<Mutex<LaneState>>,
