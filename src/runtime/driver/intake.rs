@@ -15,6 +15,9 @@ use crate::runtime::join::{pull_expiry, standby_pull_expiry};
 use crate::runtime::lanes::{LaneId, LaneKey, Offered};
 use crate::runtime::pull::{classify, grid_expiry, PullRequest, Reply};
 
+/// How long a run waits before pulling again after a 409.
+const CONFLICT_PAUSE: Duration = Duration::from_millis(250);
+
 impl Driver {
     /// Keeps pulls open as the dispatch policy sizes them (`plan.rs`).
     /// Returns whether this instance holds back (it pulls nothing now).
@@ -95,8 +98,11 @@ impl Driver {
             }
             Reply::ConsumerDeleted => return Some(Ended::ConsumerGone),
             Reply::Conflict { description } => {
+                // Too many pulls waiting, a leader change: pull again after a
+                // moment, not in a tight loop against the same refusal.
                 tracing::debug!(%description, "pull conflict");
                 self.pulls.finish(&subject);
+                self.hold_pulls_until = Some(Instant::now() + CONFLICT_PAUSE);
             }
             Reply::BadRequest { description } => {
                 tracing::warn!(%description, consumer = %self.joined.consumer, "the server refused the pull");

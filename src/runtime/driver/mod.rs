@@ -163,7 +163,7 @@ pub struct Driver {
     /// A webhook instance of a group member: counted and moved by pin
     /// balancing (cluster/balance.rs).
     balanced: bool,
-    /// No pulls before then (after stepping down for a rebalance).
+    /// No pulls before then (after stepping down for a rebalance, or a 409).
     hold_pulls_until: Option<Instant>,
     /// Why the pin was last stepped down elsewhere, and when: the reason of
     /// the next pin this instance gains.
