@@ -70,7 +70,6 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
     let connection_name =
         settings.instance_id.as_ref().map_or_else(|| "keygate".to_owned(), |id| format!("keygate {id}"));
     let (nats, connections) = connect(&url, &auth, &connection_name).await?;
-    crate::nats::replicas::configure(settings.state_replicas);
     let runtime = Arc::new(Runtime::start(&settings, nats.clone(), connections)?);
     let connections = tokio_util::task::TaskTracker::new();
     // Pull instances finish like WebSocket connections: after the HTTP drain.
@@ -79,7 +78,7 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
             .await?;
     let state = AppState {
         streams: Streams::new(runtime.broker.js.clone()),
-        consumers: crate::consumers::Consumers::new(runtime.broker.js.clone()),
+        consumers: crate::consumers::Consumers::new(runtime.broker.js.clone(), runtime.stores.groups.clone()),
         settings: Arc::new(settings),
         runtime: runtime.clone(),
         connections,
@@ -92,7 +91,7 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
     let members_token = shutdown.child_token();
     // Replicas know each other and share the webhook members' pins.
     let replicas = tokio::spawn(runtime.cluster.replicas.clone().run(
-        runtime.broker.js.clone(),
+        runtime.broker.buckets.clone(),
         runtime.cluster.instance_id.clone(),
         runtime.cluster.roster.clone(),
         members_token.clone(),
@@ -108,7 +107,7 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
     let backlog = state.settings.backlog_sample_interval.map(|every| {
         let (groups, nats) = (runtime.stores.groups.clone(), nats.clone());
         tokio::spawn(crate::cluster::lease::run_as_singleton(
-            runtime.broker.js.clone(),
+            runtime.broker.buckets.clone(),
             "backlog-sampler",
             holder.clone(),
             members_token.clone(),
@@ -117,7 +116,7 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
     });
     let (groups, js) = (runtime.stores.groups.clone(), runtime.broker.js.clone());
     let source_watch = tokio::spawn(crate::cluster::lease::run_as_singleton(
-        runtime.broker.js.clone(),
+        runtime.broker.buckets.clone(),
         "source-watchdog",
         holder,
         members_token.clone(),

@@ -18,7 +18,7 @@ use utoipa::ToSchema;
 use crate::error::Error;
 use crate::member_ref::MemberRef;
 use crate::names::{GroupName, StreamName};
-use crate::nats::buckets::OpenBuckets;
+use crate::nats::buckets::{BucketSpec, Buckets, OpenBuckets};
 use crate::nats::errors::unavailable_or_internal;
 
 /// The bucket of pause flags.
@@ -93,37 +93,22 @@ const CONCURRENT_READS: usize = 128;
 #[derive(Clone)]
 pub struct Pauses {
     js: jetstream::Context,
+    buckets: Buckets,
     /// The bucket, kept open for reads (src/nats/buckets.rs).
     open: OpenBuckets,
 }
 
 impl Pauses {
-    pub fn new(js: jetstream::Context) -> Self {
-        Self { js, open: OpenBuckets::default() }
+    pub fn new(buckets: Buckets) -> Self {
+        Self { js: buckets.js().clone(), buckets, open: OpenBuckets::default() }
     }
 
     async fn bucket(&self, create: bool) -> Result<Option<kv::Store>, Error> {
-        match self.js.get_key_value(PAUSES_BUCKET).await {
-            Ok(store) => return Ok(Some(store)),
-            Err(_) if !create => return Ok(None),
-            Err(_) => {}
+        if !create {
+            return self.buckets.open(PAUSES_BUCKET).await;
         }
-        let config = kv::Config {
-            bucket: PAUSES_BUCKET.into(),
-            description: "keygate: paused members and subscribers".into(),
-            history: 1,
-            num_replicas: crate::nats::replicas::state_replicas(&self.js),
-            ..Default::default()
-        };
-        match self.js.create_key_value(config).await {
-            Ok(store) => Ok(Some(store)),
-            Err(e) => self
-                .js
-                .get_key_value(PAUSES_BUCKET)
-                .await
-                .map(Some)
-                .map_err(|_| unavailable_or_internal("the pauses bucket", e)),
-        }
+        let spec = BucketSpec::state(PAUSES_BUCKET, "keygate: paused members and subscribers");
+        self.buckets.open_or_create(spec).await.map(Some)
     }
 
     /// Whether `who` is paused, and by whom.

@@ -57,10 +57,12 @@ pub async fn run(args: &AdminArgs, command: AdminCommand) -> anyhow::Result<()> 
         .with_context(|| format!("timed out connecting to NATS at {url}{}", hint()))?
         .with_context(|| format!("connecting to NATS at {url}{}", hint()))?;
     let js = jetstream(nats.clone(), Duration::from_secs(5));
+    // Admin commands make buckets with the replicas the cluster suggests.
+    let buckets = crate::nats::buckets::Buckets::new(js.clone(), None);
     let admin = Admin {
-        groups: GroupAdmin::new(js.clone()),
+        groups: GroupAdmin::new(buckets.clone()),
         streams: Streams::new(js.clone()),
-        dead_letters: crate::dead_letters::Archive::new(js.clone()),
+        dead_letters: crate::dead_letters::Archive::new(buckets),
         js,
         nats: nats.clone(),
         json: args.json,

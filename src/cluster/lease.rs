@@ -11,9 +11,9 @@
 use std::future::Future;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, kv};
+use async_nats::jetstream::kv;
 
-use crate::nats::buckets::expiring_bucket;
+use crate::nats::buckets::{BucketSpec, Buckets};
 use tokio_util::sync::CancellationToken;
 
 /// Where leases live: one key per duty, the holder's name as the value.
@@ -27,7 +27,7 @@ const RENEW_EVERY: Duration = Duration::from_secs(2);
 /// `cancel`; tries again for the lease whenever it is free. `holder` names
 /// this replica in the bucket (and on the `keygate_singleton_held` gauge).
 pub async fn run_as_singleton<F, Fut>(
-    js: jetstream::Context,
+    buckets: Buckets,
     name: &'static str,
     holder: String,
     cancel: CancellationToken,
@@ -40,7 +40,7 @@ pub async fn run_as_singleton<F, Fut>(
     let held = |value: f64| gauge.set(value);
     held(0.0);
     loop {
-        let acquired = match expiring_bucket(&js, LEASES_BUCKET, LEASE_TTL).await {
+        let acquired = match buckets.open_or_create(BucketSpec::expiring(LEASES_BUCKET, LEASE_TTL)).await {
             Ok(store) => match store.create(name, holder.clone().into()).await {
                 Ok(revision) => Some((store, revision)),
                 Err(_) => None,

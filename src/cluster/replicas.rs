@@ -10,14 +10,14 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_nats::jetstream::{self, kv};
+use async_nats::jetstream::kv;
 use futures::StreamExt as _;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::roster::{InstanceReport, Roster, RosterEntry};
-use crate::nats::buckets::expiring_bucket;
+use crate::nats::buckets::{BucketSpec, Buckets};
 
 pub const REPLICAS_BUCKET: &str = "keygate-replicas";
 /// A replica unheard for this long is gone.
@@ -144,12 +144,12 @@ impl Replicas {
 
     /// Announces this replica (as `name`, with `roster`) until `cancel`,
     /// and follows the others.
-    pub async fn run(self, js: jetstream::Context, name: String, roster: Arc<Roster>, cancel: CancellationToken) {
+    pub async fn run(self, buckets: Buckets, name: String, roster: Arc<Roster>, cancel: CancellationToken) {
         let tag = crate::delivery::pull::new_replica_tag();
         let own = Own { tag: tag.clone(), name: name.clone(), roster: roster.clone() };
         *self.own.lock().unwrap_or_else(|p| p.into_inner()) = Some(own);
         let store = loop {
-            match expiring_bucket(&js, REPLICAS_BUCKET, REPLICA_TTL).await {
+            match buckets.open_or_create(BucketSpec::expiring(REPLICAS_BUCKET, REPLICA_TTL)).await {
                 Ok(store) => break store,
                 Err(e) => tracing::debug!(error = %e, "replicas bucket unavailable; retrying"),
             }
@@ -161,7 +161,7 @@ impl Replicas {
         let mut watch = None;
         let mut renew = tokio::time::interval(RENEW_EVERY);
         // Room for the message's subject and headers beside the entry.
-        let max_entry = js.client().server_info().max_payload.saturating_sub(4096);
+        let max_entry = buckets.js().client().server_info().max_payload.saturating_sub(4096);
         let mut announcement = Announcement::new(name.clone(), roster.clone(), max_entry);
         loop {
             if watch.is_none() {

@@ -249,11 +249,13 @@ fn view(info: &consumer::Info) -> ConsumerView {
 #[derive(Clone)]
 pub struct Consumers {
     js: jetstream::Context,
+    /// Groups' member consumers, which plain consumers may not take.
+    groups: GroupAdmin,
 }
 
 impl Consumers {
-    pub fn new(js: jetstream::Context) -> Self {
-        Self { js }
+    pub fn new(js: jetstream::Context, groups: GroupAdmin) -> Self {
+        Self { js, groups }
     }
 
     async fn stream(&self, stream: &StreamName) -> Result<jetstream::stream::Stream<()>, Error> {
@@ -320,7 +322,7 @@ impl Consumers {
     /// created it: a plain consumer of that name would be taken by the
     /// member's instances, or stop them from joining.
     async fn check_not_a_members(&self, stream: &StreamName, name: &ConsumerName) -> Result<(), Error> {
-        let members = GroupAdmin::new(self.js.clone()).static_member_consumers(stream).await?;
+        let members = self.groups.static_member_consumers(stream).await?;
         match members.iter().find(|(_, consumer)| consumer == name.as_str()) {
             Some((group, _)) => Err(Error::Conflict(format!(
                 "consumer {name} is the consumer of a member of group {group}; manage it through the group"

@@ -10,6 +10,7 @@ use super::filter::{Cursor, Selection};
 use super::letter::{Letter, Redriven};
 use super::{DEAD_LETTER_STREAM, REDRIVES_BUCKET};
 use crate::error::Error;
+use crate::nats::buckets::{BucketSpec, Buckets};
 use crate::nats::errors::{is_not_found, jetstream_error_code, unavailable_or_internal};
 
 /// Most letters one page may hold.
@@ -37,11 +38,12 @@ pub struct Page {
 #[derive(Clone)]
 pub struct Archive {
     js: jetstream::Context,
+    buckets: Buckets,
 }
 
 impl Archive {
-    pub fn new(js: jetstream::Context) -> Self {
-        Self { js }
+    pub fn new(buckets: Buckets) -> Self {
+        Self { js: buckets.js().clone(), buckets }
     }
 
     /// The stream; `None` while no letter was ever recorded.
@@ -145,27 +147,11 @@ impl Archive {
 
     /// The redrives bucket, made when `create` and missing.
     async fn marks(&self, create: bool) -> Result<Option<kv::Store>, Error> {
-        match self.js.get_key_value(REDRIVES_BUCKET).await {
-            Ok(store) => return Ok(Some(store)),
-            Err(_) if !create => return Ok(None),
-            Err(_) => {}
+        if !create {
+            return self.buckets.open(REDRIVES_BUCKET).await;
         }
-        let config = kv::Config {
-            bucket: REDRIVES_BUCKET.into(),
-            description: "keygate: where dead letters were redriven to".into(),
-            history: 1,
-            num_replicas: crate::nats::replicas::state_replicas(&self.js),
-            ..Default::default()
-        };
-        match self.js.create_key_value(config).await {
-            Ok(store) => Ok(Some(store)),
-            Err(e) => self
-                .js
-                .get_key_value(REDRIVES_BUCKET)
-                .await
-                .map(Some)
-                .map_err(|_| unavailable_or_internal("the redrives bucket", e)),
-        }
+        let spec = BucketSpec::state(REDRIVES_BUCKET, "keygate: where dead letters were redriven to");
+        self.buckets.open_or_create(spec).await.map(Some)
     }
 }
 

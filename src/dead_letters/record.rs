@@ -2,13 +2,14 @@
 //! dead-letter stream, with its original payload and headers and why it
 //! failed, before it is terminated.
 
-use async_nats::jetstream::{self, stream};
+use async_nats::jetstream::stream;
 use async_nats::HeaderMap;
 use bytes::Bytes;
 
 use super::headers as h;
 use super::{DEAD_LETTER_STREAM, DEAD_LETTER_SUBJECTS};
 use crate::member_ref::Owner;
+use crate::nats::buckets::Buckets;
 
 /// What to record with a dead letter.
 pub struct DeadLetter<'a> {
@@ -47,8 +48,9 @@ pub fn dead_letter_id(owner: Owner, stream: &str, group: &str, member: &str, seq
 /// `duplicate` answer is accepted only when the copy already stored under
 /// that id is this message's (an earlier attempt stored it, then could not
 /// terminate); anything else is an error and the message is not terminated.
-pub async fn record(js: &jetstream::Context, letter: DeadLetter<'_>) -> anyhow::Result<Stored> {
-    ensure_stream(js).await?;
+pub async fn record(buckets: &Buckets, letter: DeadLetter<'_>) -> anyhow::Result<Stored> {
+    ensure_stream(buckets).await?;
+    let js = buckets.js();
     let mut headers = HeaderMap::new();
     if let Some(original) = letter.headers {
         for (name, values) in original.iter() {
@@ -94,21 +96,14 @@ pub async fn record(js: &jetstream::Context, letter: DeadLetter<'_>) -> anyhow::
     Ok(Stored { id, seq: ack.sequence })
 }
 
-pub(super) async fn ensure_stream(js: &jetstream::Context) -> anyhow::Result<()> {
-    if js.get_stream(DEAD_LETTER_STREAM).await.is_ok() {
-        return Ok(());
-    }
+async fn ensure_stream(buckets: &Buckets) -> Result<(), crate::error::Error> {
     let config = stream::Config {
         name: DEAD_LETTER_STREAM.into(),
         subjects: vec![DEAD_LETTER_SUBJECTS.into()],
         description: Some("keygate: messages terminated after failing, with the reason".into()),
-        num_replicas: crate::nats::replicas::state_replicas(js),
         ..Default::default()
     };
-    match js.create_stream(config).await {
-        Ok(_) => Ok(()),
-        Err(e) => js.get_stream(DEAD_LETTER_STREAM).await.map(|_| ()).map_err(|_| e.into()),
-    }
+    buckets.stream_or_create(config).await
 }
 
 #[cfg(test)]

@@ -15,6 +15,7 @@ use super::destination::DestinationPolicy;
 use super::signing::{SecretError, Signer, SigningKey};
 use super::verdict::{judge, Judgement, Response, RetryPolicy};
 use crate::error::Error;
+use crate::nats::buckets::{BucketSpec, Buckets};
 use crate::nats::errors::{is_not_found, unavailable_or_internal};
 
 /// KV bucket of webhook registrations, key `<stream>.<group>.<member>`.
@@ -403,38 +404,25 @@ pub fn registration_key(stream: &str, group: &str, member: &str) -> String {
 #[derive(Clone)]
 pub struct WebhookStore {
     js: jetstream::Context,
+    buckets: Buckets,
     policy: Arc<DestinationPolicy>,
     bucket: &'static str,
 }
 
 impl WebhookStore {
     /// Members' registrations through `js`, checked against `policy`.
-    pub fn new(js: jetstream::Context, policy: Arc<DestinationPolicy>) -> Self {
-        Self { js, policy, bucket: WEBHOOKS_BUCKET }
+    pub fn new(buckets: Buckets, policy: Arc<DestinationPolicy>) -> Self {
+        Self { js: buckets.js().clone(), buckets, policy, bucket: WEBHOOKS_BUCKET }
     }
 
     /// Consumer subscribers' registrations.
-    pub fn for_consumers(js: jetstream::Context, policy: Arc<DestinationPolicy>) -> Self {
-        Self { js, policy, bucket: CONSUMER_WEBHOOKS_BUCKET }
+    pub fn for_consumers(buckets: Buckets, policy: Arc<DestinationPolicy>) -> Self {
+        Self { js: buckets.js().clone(), buckets, policy, bucket: CONSUMER_WEBHOOKS_BUCKET }
     }
 
     /// The bucket, created when missing.
     pub async fn bucket(&self) -> Result<kv::Store, Error> {
-        if let Ok(store) = self.js.get_key_value(self.bucket).await {
-            return Ok(store);
-        }
-        let config = kv::Config {
-            bucket: self.bucket.into(),
-            history: 1,
-            num_replicas: crate::nats::replicas::state_replicas(&self.js),
-            ..Default::default()
-        };
-        match self.js.create_key_value(config).await {
-            Ok(store) => Ok(store),
-            Err(e) => {
-                self.js.get_key_value(self.bucket).await.map_err(|_| unavailable_or_internal("webhook bucket", e))
-            }
-        }
+        self.buckets.open_or_create(BucketSpec::state(self.bucket, "")).await
     }
 
     /// Registers or replaces a webhook. Returns whether it was new.

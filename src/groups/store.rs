@@ -11,8 +11,8 @@ use super::spec::{GroupConfig, GroupKind, GroupSpec, Ordering};
 use super::view::GroupSummary;
 use crate::error::Error;
 use crate::names::{GroupName, StreamName};
-use crate::nats::buckets::OpenBuckets;
-use crate::nats::errors::{is_not_found, stream_read_error, unavailable_or_internal};
+use crate::nats::buckets::{BucketSpec, Buckets, OpenBuckets};
+use crate::nats::errors::{stream_read_error, unavailable_or_internal};
 use crate::pauses::Pauses;
 
 /// keygate's own bucket for per-group settings pcgroups does not store
@@ -70,6 +70,7 @@ pub struct StoredGroup {
 #[derive(Clone)]
 pub struct GroupAdmin {
     pub(super) js: jetstream::Context,
+    buckets: Buckets,
     /// The buckets reads go to, kept open (src/nats/buckets.rs).
     open: OpenBuckets,
     pub(super) pauses: Pauses,
@@ -77,36 +78,18 @@ pub struct GroupAdmin {
 
 impl GroupAdmin {
     /// Administration through `js`.
-    pub fn new(js: jetstream::Context) -> Self {
-        Self { pauses: Pauses::new(js.clone()), js, open: OpenBuckets::default() }
+    pub fn new(buckets: Buckets) -> Self {
+        Self { pauses: Pauses::new(buckets.clone()), js: buckets.js().clone(), buckets, open: OpenBuckets::default() }
     }
 
     pub(super) async fn bucket(&self, name: &str) -> Result<Option<kv::Store>, Error> {
-        match self.js.get_key_value(name).await {
-            Ok(store) => Ok(Some(store)),
-            Err(e) if is_not_found(&e) => Ok(None),
-            Err(e) => Err(unavailable_or_internal("reading KV bucket", e)),
-        }
+        self.buckets.open(name).await
     }
 
+    /// Bucket `name`, made with `replicas` (the group's stream's, as
+    /// pcgroups does) when missing.
     pub(super) async fn bucket_or_create(&self, name: &str, replicas: usize) -> Result<kv::Store, Error> {
-        if let Some(store) = self.bucket(name).await? {
-            return Ok(store);
-        }
-        let config = kv::Config {
-            bucket: name.to_owned(),
-            history: 1,
-            storage: stream::StorageType::File,
-            num_replicas: replicas.max(1),
-            ..Default::default()
-        };
-        match self.js.create_key_value(config).await {
-            Ok(store) => Ok(store),
-            Err(create_err) => match self.bucket(name).await? {
-                Some(store) => Ok(store),
-                None => Err(unavailable_or_internal("creating KV bucket", create_err)),
-            },
-        }
+        self.buckets.open_or_create(BucketSpec { replicas: Some(replicas), ..BucketSpec::state(name, "") }).await
     }
 
     pub(super) async fn stream_info(&self, stream: &str) -> Result<stream::Info, Error> {

@@ -2,29 +2,12 @@
 //! dead-letter stream). Streams and buckets created for a user's stream
 //! follow that stream's replicas instead, as pcgroups does.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-
-/// `--state-replicas`, set once at start-up; 0 when not given.
-static CONFIGURED: AtomicUsize = AtomicUsize::new(0);
-
-/// Records `--state-replicas` (`None`: decide from the cluster).
-pub fn configure(configured: Option<usize>) {
-    CONFIGURED.store(configured.map_or(0, |r| r.clamp(1, 5)), Ordering::Relaxed);
-}
-
-/// The replicas for keygate's own state: as configured, or else 3 when the
-/// server `js` talks to reports a cluster of three or more servers
-/// (JetStream's usual R3) and 1 otherwise. Asked when a bucket is created,
-/// so the connection is up and the server has said who its peers are.
-/// Existing buckets keep the replicas they were created with.
-pub fn state_replicas(js: &async_nats::jetstream::Context) -> usize {
-    match CONFIGURED.load(Ordering::Relaxed) {
-        0 => default_for(&js.client().server_info()),
-        configured => configured,
-    }
-}
-
-fn default_for(info: &async_nats::ServerInfo) -> usize {
+/// The replicas for keygate's own state when `--state-replicas` is not
+/// given: 3 when the server keygate talks to reports a cluster of three or
+/// more servers (JetStream's usual R3) and 1 otherwise. Asked when a bucket
+/// is created, so the connection is up and the server has said who its
+/// peers are. Existing buckets keep the replicas they were created with.
+pub fn default_for(info: &async_nats::ServerInfo) -> usize {
     // `connect_urls` lists the client URLs of every server in the cluster.
     let servers = info.connect_urls.len().max(1);
     if servers >= 3 {

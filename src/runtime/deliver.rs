@@ -294,7 +294,7 @@ pub async fn dead_letter_and_term(
     reason: &str,
 ) -> anyhow::Result<Vec<Event>> {
     let stored = dead_letters::record(
-        &ctx.broker.js,
+        &ctx.broker.buckets,
         DeadLetter {
             owner: who.owner,
             stream: who.stream.as_str(),

@@ -2,29 +2,17 @@
 //! whenever an instance gains the member's pin, so it grows across
 //! instances and restarts.
 
-use async_nats::jetstream::{self, kv};
+use async_nats::jetstream::kv;
 use bytes::Bytes;
+
+use crate::nats::buckets::{BucketSpec, Buckets};
 
 /// KV bucket of fencing counters, key `<stream>.<group>.<member>`.
 pub const FENCING_BUCKET: &str = "keygate-fencing";
 
 /// Raises the member's fencing token and returns the new value.
-pub async fn next_token(js: &jetstream::Context, key: &str) -> anyhow::Result<u64> {
-    let store = match js.get_key_value(FENCING_BUCKET).await {
-        Ok(s) => s,
-        Err(_) => match js
-            .create_key_value(kv::Config {
-                bucket: FENCING_BUCKET.into(),
-                history: 1,
-                num_replicas: crate::nats::replicas::state_replicas(js),
-                ..Default::default()
-            })
-            .await
-        {
-            Ok(s) => s,
-            Err(_) => js.get_key_value(FENCING_BUCKET).await?,
-        },
-    };
+pub async fn next_token(buckets: &Buckets, key: &str) -> anyhow::Result<u64> {
+    let store = buckets.open_or_create(BucketSpec::state(FENCING_BUCKET, "keygate: fencing tokens per member")).await?;
     for _ in 0..64 {
         let current = store.entry(key).await?;
         let (value, revision) = match &current {

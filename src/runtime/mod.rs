@@ -36,6 +36,7 @@ use crate::events::{About, EventBus};
 use crate::groups::{GroupAdmin, GroupConfig};
 use crate::member_ref::MemberRef;
 use crate::names::{GroupName, StreamName};
+use crate::nats::buckets::Buckets;
 use crate::nats::outbox::Outbox;
 use crate::nats::shared::SharedSubscriptions;
 use crate::settings::Settings;
@@ -65,6 +66,8 @@ pub struct Runtime {
 pub struct Broker {
     pub client: async_nats::Client,
     pub js: jetstream::Context,
+    /// keygate's own buckets, made with the replicas its state takes.
+    pub buckets: Buckets,
     /// Where instances' pull requests are published, to leave together.
     pub outbox: Outbox,
     /// Subscriptions shared by the instances of one member (control requests).
@@ -102,12 +105,13 @@ impl Runtime {
             .instance_id
             .clone()
             .unwrap_or_else(|| format!("keygate-{}", client.new_inbox().rsplit('.').next().unwrap_or("0")));
+        let buckets = Buckets::new(js.clone(), settings.state_replicas);
         let stores = Stores {
-            groups: GroupAdmin::new(js.clone()),
-            pauses: crate::pauses::Pauses::new(js.clone()),
-            webhooks: WebhookStore::new(js.clone(), policy.clone()),
-            consumer_webhooks: WebhookStore::for_consumers(js.clone(), policy.clone()),
-            dead_letters: crate::dead_letters::Archive::new(js.clone()),
+            groups: GroupAdmin::new(buckets.clone()),
+            pauses: crate::pauses::Pauses::new(buckets.clone()),
+            webhooks: WebhookStore::new(buckets.clone(), policy.clone()),
+            consumer_webhooks: WebhookStore::for_consumers(buckets.clone(), policy.clone()),
+            dead_letters: crate::dead_letters::Archive::new(buckets.clone()),
         };
         let runtime = Self {
             events: EventBus::new(client.clone()),
@@ -122,6 +126,7 @@ impl Runtime {
                 subscriptions: SharedSubscriptions::new(client.clone(), &[crate::cluster::control::CONTROL_PREFIX]),
                 outbox: Outbox::start(client.clone()),
                 connections,
+                buckets,
                 client,
                 js,
             },

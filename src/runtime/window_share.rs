@@ -7,9 +7,9 @@
 
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream::{self, kv};
+use async_nats::jetstream::kv;
 
-use crate::nats::buckets::expiring_bucket;
+use crate::nats::buckets::{BucketSpec, Buckets};
 use crate::nats::kv_scan::live_entries;
 
 /// Where instances announce themselves; entries live this long unrenewed.
@@ -20,7 +20,7 @@ pub const RENEW_EVERY: Duration = Duration::from_secs(2);
 
 /// This instance's share of a consumer's shuffle window.
 pub struct WindowShare {
-    js: jetstream::Context,
+    buckets: Buckets,
     prefix: String,
     key: String,
     max_delay: Duration,
@@ -33,10 +33,10 @@ pub struct WindowShare {
 impl WindowShare {
     /// Starts with no share: a newcomer waits until the others have
     /// shrunk theirs and their older delays have run out.
-    pub fn new(js: jetstream::Context, stream: &str, consumer: &str, max_delay: Duration) -> Self {
+    pub fn new(buckets: Buckets, stream: &str, consumer: &str, max_delay: Duration) -> Self {
         let prefix = format!("{stream}.{consumer}.");
         let key = format!("{prefix}{}", uuid_like());
-        Self { js, prefix, key, max_delay, share: 0, pending: None }
+        Self { buckets, prefix, key, max_delay, share: 0, pending: None }
     }
 
     /// The share in force now.
@@ -62,7 +62,7 @@ impl WindowShare {
         }
         // Without a consumer per count (src/nats/kv_scan.rs): one every
         // renewal per instance would linger on the server for 30 s each.
-        let announced = match live_entries(&self.js, &store, &format!("{}*", self.prefix)).await {
+        let announced = match live_entries(self.buckets.js(), &store, &format!("{}*", self.prefix)).await {
             Ok(announced) => announced,
             Err(e) => {
                 tracing::debug!(error = %e, "shuffle window: listing failed");
@@ -91,7 +91,7 @@ impl WindowShare {
     }
 
     async fn bucket(&self) -> Result<kv::Store, ()> {
-        expiring_bucket(&self.js, PRESENCE_BUCKET, PRESENCE_TTL).await.map_err(|_| ())
+        self.buckets.open_or_create(BucketSpec::expiring(PRESENCE_BUCKET, PRESENCE_TTL)).await.map_err(|_| ())
     }
 }
 

@@ -309,3 +309,39 @@ async fn groups_keep_being_served_while_leader_nodes_are_killed_and_restarted() 
         drained.as_secs_f64()
     );
 }
+
+/// keygate makes its buckets on a user's first command. On a just-formed
+/// cluster a new R3 bucket has no leader for a moment; keygate waits for
+/// it (up to 10 s) rather than answering 503, so the first group, the first
+/// webhook and the first pause are stored at the first try.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "three nats-servers: scripts/test runs it on its own, after the other tests"]
+async fn the_first_commands_on_a_just_formed_cluster_are_stored_at_the_first_try() {
+    let cluster = NatsCluster::start().await;
+    let http = http_client();
+    let keygate = KeygateProcess::start(&cluster.urls(), "keygate-first");
+    keygate.wait_ready(&http).await;
+    // The stream's own placement may still be refused while the cluster
+    // forms (a 503 the client retries); what follows is keygate's state.
+    keygate
+        .put_until_stored(&http, "/v1/streams/FIRST", &json!({"subjects":["first.*"],"partitions":4,"replicas":3}))
+        .await;
+    let put = async |path: &str, body: Value| {
+        let response = http.put(format!("{}{path}", keygate.base)).json(&body).send().await.unwrap();
+        let status = response.status().as_u16();
+        (status, response.text().await.unwrap())
+    };
+    let group = json!({"kind":"static","partitions":4,"members":["m1"]});
+    let (status, body) = put("/v1/streams/FIRST/groups/g", group).await;
+    assert_eq!(status, 201, "the first group: {body}");
+    let (status, body) =
+        put("/v1/streams/FIRST/groups/g/members/m1/webhook", json!({"url":"http://127.0.0.1:9/h"})).await;
+    assert_eq!(status, 201, "the first webhook: {body}");
+    let response = http
+        .post(format!("{}/v1/streams/FIRST/groups/g/members/m1/pause", keygate.base))
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200, "the first pause: {}", response.text().await.unwrap());
+}

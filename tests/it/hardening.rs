@@ -58,10 +58,11 @@ async fn a_duplicate_dead_letter_is_accepted_only_for_the_same_message() {
         headers: None,
         payload: payload.into(),
     };
-    let first = record(&app.js, letter("{\"i\":1}")).await.unwrap();
-    let retried = record(&app.js, letter("{\"i\":1}")).await.unwrap();
+    let buckets = keygate::nats::buckets::Buckets::new(app.js.clone(), None);
+    let first = record(&buckets, letter("{\"i\":1}")).await.unwrap();
+    let retried = record(&buckets, letter("{\"i\":1}")).await.unwrap();
     assert_eq!(first, retried, "the retry finds the stored copy");
-    let error = record(&app.js, letter("{\"i\":2}")).await.unwrap_err();
+    let error = record(&buckets, letter("{\"i\":2}")).await.unwrap_err();
     assert!(error.to_string().contains("another message"), "{error}");
     assert_eq!(app.stream_messages("KEYGATE_DEAD_LETTERS").await.len(), 1);
 }

@@ -209,7 +209,7 @@ impl Driver {
             Dispatch::Concurrent(SubscriberJoined { shuffle: Some(shuffle), .. }) => {
                 let (stream, consumer) = (who.stream.as_str(), joined.consumer.as_str());
                 let max_delay = Duration::from_millis(shuffle.max_delay_ms);
-                let mut share = WindowShare::new(ctx.broker.js.clone(), stream, consumer, max_delay);
+                let mut share = WindowShare::new(ctx.broker.buckets.clone(), stream, consumer, max_delay);
                 share.renew(shuffle.max_window).await;
                 let window = ShuffleWindow::new(stream, consumer);
                 Some(Shuffling { shuffle: *shuffle, window, share, renew_at: Instant::now() + RENEW_EVERY })

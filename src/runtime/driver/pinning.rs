@@ -103,7 +103,7 @@ impl Driver {
     /// stays with its token pending and nothing is delivered (a guessed
     /// token could be lower than the previous holder's).
     async fn raise_fencing_token(&mut self) {
-        match next_token(&self.ctx().broker.js, &self.target.fencing_key()).await {
+        match next_token(&self.ctx().broker.buckets, &self.target.fencing_key()).await {
             Ok(token) => {
                 self.shared.fencing.store(token, Ordering::Relaxed);
                 self.pin.set_token(token);
