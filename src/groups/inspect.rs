@@ -13,7 +13,7 @@ use serde::Deserialize;
 use super::config::{elastic_stream_name, ownership, MemberMapping, PRIORITY_GROUP};
 use super::spec::{consumer_of, GroupConfig, GroupKind, PartitioningFilterSpec};
 use super::store::{GroupAdmin, DEFAULT_ACK_WAIT_MS};
-use super::view::{GroupView, MemberState, MembershipView, OwnedPartitions, PartitionPending};
+use super::view::{GroupView, MemberState, MembershipView, OwnedPartitions, PartitionPending, PinStatus};
 use crate::error::Error;
 use crate::member_ref::{MemberRef, Owner};
 use crate::names::{GroupName, StreamName};
@@ -113,6 +113,7 @@ impl GroupAdmin {
                             GroupKind::Elastic => true,
                         },
                         waiting_pulls: info.num_waiting,
+                        pin: PinStatus::NoInstance,
                         pinned_client_id: pin.and_then(|p| p.pinned_client_id.clone()).filter(|id| !id.is_empty()),
                         pinned_since: pin.and_then(|p| p.pinned_ts),
                         num_pending: info.num_pending,
@@ -130,6 +131,7 @@ impl GroupAdmin {
                     consumer_exists: false,
                     active: false,
                     waiting_pulls: 0,
+                    pin: PinStatus::NoInstance,
                     pinned_client_id: None,
                     pinned_since: None,
                     num_pending: 0,
@@ -140,6 +142,7 @@ impl GroupAdmin {
                     paused,
                 },
             };
+            let state = MemberState { pin: state.pin_status(), ..state };
             assignment.push(state);
         }
         let owner_of: BTreeMap<u32, String> =

@@ -88,6 +88,8 @@ pub struct MemberState {
     pub active: bool,
     /// Pull requests waiting on the consumer (instances currently pulling).
     pub waiting_pulls: usize,
+    /// Where the pin stands, and so why no instance may be delivering.
+    pub pin: PinStatus,
     /// The pinned instance's id, if one holds the pin.
     pub pinned_client_id: Option<String>,
     /// Since when it holds the pin.
@@ -107,6 +109,40 @@ pub struct MemberState {
     pub instances: Vec<InstanceState>,
     /// Who paused the member, when and why; `null` when it is not paused.
     pub paused: Option<crate::pauses::Pause>,
+}
+
+/// Where a member's pin stands, as the view can tell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum PinStatus {
+    /// A keygate instance holds it and delivers (`serving_instance`).
+    Held,
+    /// A client holds it that no keygate replica reports: a pcgroups client,
+    /// or a keygate whose report is not in yet.
+    HeldElsewhere,
+    /// Nobody holds it while instances are there: the server pins one of
+    /// them with the next message (after pin balancing stepped it down, or
+    /// while the member is idle).
+    FreeUntilNextDelivery,
+    /// Nobody holds it and no instance pulls: nothing serves the member.
+    NoInstance,
+    /// The member is paused: its instances pull nothing, so none holds it.
+    Paused,
+}
+
+impl MemberState {
+    /// Where the pin stands, from what the view holds.
+    pub fn pin_status(&self) -> PinStatus {
+        if self.paused.is_some() {
+            return PinStatus::Paused;
+        }
+        match (&self.pinned_client_id, &self.serving_instance) {
+            (Some(_), Some(_)) => PinStatus::Held,
+            (Some(_), None) => PinStatus::HeldElsewhere,
+            (None, _) if self.waiting_pulls > 0 || !self.instances.is_empty() => PinStatus::FreeUntilNextDelivery,
+            (None, _) => PinStatus::NoInstance,
+        }
+    }
 }
 
 /// One keygate instance of a member.
@@ -155,4 +191,47 @@ pub struct MembershipView {
 pub struct OwnedPartitions {
     pub member: String,
     pub partitions: Vec<u32>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member() -> MemberState {
+        MemberState {
+            member: "m1".into(),
+            partitions: vec![0],
+            consumer: "g-m1".into(),
+            consumer_exists: true,
+            active: false,
+            waiting_pulls: 0,
+            pin: PinStatus::NoInstance,
+            pinned_client_id: None,
+            pinned_since: None,
+            num_pending: 0,
+            num_ack_pending: 0,
+            serving_instance: None,
+            fencing_token: None,
+            instances: Vec::new(),
+            paused: None,
+        }
+    }
+
+    #[test]
+    fn the_pin_status_says_who_holds_it_or_why_nobody_does() {
+        let pinned = MemberState { pinned_client_id: Some("p".into()), ..member() };
+        assert_eq!(pinned.pin_status(), PinStatus::HeldElsewhere);
+        let served = MemberState { serving_instance: Some("kg-a".into()), ..pinned.clone() };
+        assert_eq!(served.pin_status(), PinStatus::Held);
+        assert_eq!(member().pin_status(), PinStatus::NoInstance);
+        let pulling = MemberState { waiting_pulls: 2, ..member() };
+        assert_eq!(pulling.pin_status(), PinStatus::FreeUntilNextDelivery);
+        let standing_by = MemberState {
+            instances: vec![InstanceState { instance: "kg-a".into(), session: 1, pinned: false }],
+            ..member()
+        };
+        assert_eq!(standing_by.pin_status(), PinStatus::FreeUntilNextDelivery, "held-back standbys pull nothing");
+        let paused = crate::pauses::Pause::by("ops".into(), None);
+        assert_eq!(MemberState { paused: Some(paused), ..served }.pin_status(), PinStatus::Paused);
+    }
 }

@@ -125,6 +125,9 @@ pub async fn observe(
             }
         }
     }
+    for state in &mut view.assignment {
+        state.pin = state.pin_status();
+    }
     // Only partitions whose instance floor is finer than the one counted
     // from can count lower; the others would ask the server for nothing.
     floors.retain(|p, floor| counted_from.get(p).is_none_or(|counted| *floor > *counted));

@@ -109,7 +109,8 @@ async fn the_dashboard_shows_partitions_and_pins_and_step_down_moves_the_pin() {
     let deadline = Instant::now() + Duration::from_secs(20);
     let before = loop {
         let text = browser.eval(pinned).await.as_str().unwrap_or_default().to_owned();
-        if !text.is_empty() && text != "standby" && text != "no instance" {
+        if !text.is_empty() && text != "standby" && text != "no instance" && text != "free, taken on the next delivery"
+        {
             break text;
         }
         assert!(Instant::now() < deadline, "no pin shown for m1: {text}");
@@ -133,7 +134,12 @@ async fn the_dashboard_shows_partitions_and_pins_and_step_down_moves_the_pin() {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let text = browser.eval(pinned).await.as_str().unwrap_or_default().to_owned();
-        if !text.is_empty() && text != before && text != "standby" && text != "no instance" {
+        if !text.is_empty()
+            && text != before
+            && text != "standby"
+            && text != "no instance"
+            && text != "free, taken on the next delivery"
+        {
             break;
         }
         assert!(Instant::now() < deadline, "the pin did not move: still {text}");

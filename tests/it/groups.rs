@@ -380,6 +380,7 @@ async fn group_view_shows_pin_holders_backlog_and_step_down_unpins() {
     assert_eq!(m1["member"], "m1");
     assert_eq!(m1["consumer_exists"], true);
     assert_eq!(m1["pinned_client_id"], pin.as_str());
+    assert_eq!(m1["pin"], "held_elsewhere", "a client no keygate reports holds it");
     assert!(m1["pinned_since"].is_string());
     assert_eq!(view["assignment"][1]["consumer_exists"], false);
 
@@ -387,6 +388,7 @@ async fn group_view_shows_pin_holders_backlog_and_step_down_unpins() {
     assert_eq!(status, 204);
     let (_, view) = app.get("/v1/streams/ORDERS/groups/g").await;
     assert_eq!(view["assignment"][0]["pinned_client_id"], Value::Null);
+    assert_eq!(view["assignment"][0]["pin"], "no_instance", "nothing pulls for m1 now");
     let (status, _) = app.post("/v1/streams/ORDERS/groups/g/members/m2/step-down", json!({})).await;
     assert_eq!(status, 404, "m2 has no consumer");
     let (status, _) = app.post("/v1/streams/ORDERS/groups/g/members/zz/step-down", json!({})).await;
@@ -615,4 +617,31 @@ async fn listing_groups_thousands_of_times_leaves_no_consumer_and_lists_past_a_t
     assert_eq!(list, json!([{"group":"fulfil","kind":"static"},{"group":"ship","kind":"static"}]));
     let (_, list) = app.get("/v1/streams/EV/groups").await;
     assert_eq!(list, json!([{"group":"billing","kind":"elastic"}]));
+}
+
+/// A pin stepped down stays free until the next message, and the view says
+/// so rather than showing the member as simply unpinned; the next message
+/// pins an instance again.
+#[tokio::test]
+async fn a_stepped_down_pin_shows_as_free_until_the_next_delivery() {
+    use crate::support::receiver::{Answer, Receiver};
+    let app = TestApp::start().await;
+    stamped_stream(&app, 1).await;
+    app.put("/v1/streams/ORDERS/groups/g", json!({"kind":"static","partitions":1,"members":["m1"]})).await;
+    let receiver = Receiver::start(|_, _| Answer::ok()).await;
+    let hook = json!({"url": receiver.url("/m1")});
+    assert_eq!(app.put("/v1/streams/ORDERS/groups/g/members/m1/webhook", hook).await.0, 201);
+    let pin_of = async || app.get("/v1/streams/ORDERS/groups/g").await.1["assignment"][0]["pin"].clone();
+    app.post("/v1/streams/ORDERS/messages", json!({"key":"a"})).await;
+    eventually(Duration::from_secs(15), || async { (pin_of().await == "held").then_some(()) }).await;
+    let (status, _) = app.post("/v1/streams/ORDERS/groups/g/members/m1/step-down", json!({})).await;
+    assert_eq!(status, 204);
+    eventually(Duration::from_secs(10), || async { (pin_of().await == "free_until_next_delivery").then_some(()) })
+        .await;
+    app.post("/v1/streams/ORDERS/messages", json!({"key":"b"})).await;
+    eventually(Duration::from_secs(15), || async { (pin_of().await == "held").then_some(()) }).await;
+    eventually(Duration::from_secs(15), || async {
+        (receiver.requests().iter().filter(|r| r.ok()).count() == 2).then_some(())
+    })
+    .await;
 }
