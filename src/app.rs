@@ -47,7 +47,7 @@ pub struct AppState {
 pub async fn run(settings: Settings, listener: TcpListener, shutdown: CancellationToken) -> anyhow::Result<()> {
     let verifier = Verifier::load(&settings.auth).context("loading the authentication keys")?;
     // Installed before any task takes a metric handle (one taken earlier records nowhere).
-    crate::metrics::handle();
+    crate::telemetry::metrics::handle();
     let address = listener.local_addr()?;
     if verifier.is_none() {
         refuse_open_public_listener(address, settings.allow_unauthenticated)?;

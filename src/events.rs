@@ -8,7 +8,7 @@ use time::OffsetDateTime;
 use tokio::sync::broadcast;
 use utoipa::ToSchema;
 
-use crate::member_ref::MemberRef;
+use crate::names::MemberRef;
 
 /// Subject prefix of events.
 pub const SUBJECT_PREFIX: &str = "keygate.events";

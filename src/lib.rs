@@ -13,8 +13,6 @@ pub mod error;
 pub mod events;
 pub mod groups;
 pub mod http;
-pub mod member_ref;
-pub mod metrics;
 pub mod names;
 pub mod nats;
 pub mod partition;
@@ -26,6 +24,7 @@ pub mod settings;
 pub mod status;
 pub mod streams;
 pub mod telemetry;
+pub mod webhook;
 
 pub use app::{run, AppState};
 pub use settings::Settings;

@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use utoipa::ToSchema;
 
 use crate::error::Error;
-use crate::member_ref::MemberRef;
+use crate::names::MemberRef;
 use crate::names::{GroupName, StreamName};
 use crate::nats::buckets::{BucketSpec, Buckets, OpenBuckets};
 use crate::nats::errors::unavailable_or_internal;
@@ -146,7 +146,7 @@ impl Pauses {
     /// per member. `None` when that scan fails: then
     /// [`get_many`](Self::get_many) reads them one by one.
     pub async fn of_group(&self, stream: &StreamName, group: &GroupName) -> Option<HashMap<String, Pause>> {
-        let filter = format!("{}.{stream}.{group}.*", crate::member_ref::Owner::Group.as_str());
+        let filter = format!("{}.{stream}.{group}.*", crate::names::Owner::Group.as_str());
         let flags = self.open.live_entries(&self.js, PAUSES_BUCKET, &filter).await.ok()?;
         // A flag that does not parse counts as none, as one read alone.
         Some(flags.into_iter().filter_map(|(key, value)| Some((key, serde_json::from_slice(&value).ok()?))).collect())
@@ -315,7 +315,7 @@ const RECHECK: std::time::Duration = std::time::Duration::from_secs(5);
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::member_ref::Owner;
+    use crate::names::Owner;
     use crate::names::{GroupName, MemberName, StreamName};
 
     #[test]

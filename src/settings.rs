@@ -39,7 +39,7 @@ pub struct Settings {
     /// Most HTTP connections open at once.
     pub max_connections: usize,
     /// Where webhooks may be delivered.
-    pub destinations: crate::delivery::destination::DestinationPolicy,
+    pub destinations: crate::webhook::destination::DestinationPolicy,
     /// Most messages held behind one partition's head before intake slows.
     pub hold_cap: usize,
     /// How long shutdown waits for webhook deliveries in flight.

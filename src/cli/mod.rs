@@ -6,6 +6,7 @@ mod args;
 mod commands;
 mod dlq;
 pub mod render;
+pub mod serve;
 
 use std::time::Duration;
 

@@ -16,7 +16,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::member_ref::MemberRef;
+use crate::names::MemberRef;
 use crate::names::{GroupName, MemberName, StreamName};
 
 /// A pin held for less than this is not stepped down: pins that just moved

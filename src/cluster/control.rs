@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::member_ref::MemberRef;
+use crate::names::MemberRef;
 
 /// Members' control subjects, `<prefix><stream>.<group>.<member>`.
 pub const CONTROL_PREFIX: &str = "keygate.control.";

@@ -36,7 +36,7 @@ pub async fn run_as_singleton<F, Fut>(
     F: Fn(CancellationToken) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,
 {
-    let gauge = metrics::gauge!(crate::metrics::SINGLETON_HELD, "duty" => name);
+    let gauge = metrics::gauge!(crate::telemetry::metrics::SINGLETON_HELD, "duty" => name);
     let held = |value: f64| gauge.set(value);
     held(0.0);
     loop {

@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use super::balance::{fair_share, to_step_down, GroupShare, MIN_TENURE, STEP_DOWN_HOLD};
 use super::control::{control_subject, Control};
 use super::Cluster;
-use crate::member_ref::MemberRef;
+use crate::names::MemberRef;
 
 /// How often each replica compares its pins with its share (jittered).
 const BALANCE_EVERY: Duration = Duration::from_secs(1);
@@ -48,7 +48,7 @@ pub async fn run_balancer(cluster: Cluster, nats: async_nats::Client, cancel: Ca
                 };
                 let Ok(payload) = serde_json::to_vec(&step_down) else { continue };
                 if nats.publish(control_subject(&who), payload.into()).await.is_ok() {
-                    metrics::counter!(crate::metrics::PIN_REBALANCES, "stream" => stream.to_string(), "group" => group.to_string())
+                    metrics::counter!(crate::telemetry::metrics::PIN_REBALANCES, "stream" => stream.to_string(), "group" => group.to_string())
                         .increment(1);
                     moves += 1;
                 }

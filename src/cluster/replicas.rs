@@ -246,8 +246,8 @@ async fn next_entry(watch: &mut Option<kv::Watch>) -> Option<kv::Entry> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::member_ref::{MemberRef, Owner};
     use crate::names::{GroupName, MemberName, StreamName};
+    use crate::names::{MemberRef, Owner};
 
     fn member(n: usize) -> MemberRef {
         MemberRef {

@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 
-use crate::member_ref::{MemberRef, Owner};
+use crate::names::{MemberRef, Owner};
 
 /// One instance as a replica reports it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

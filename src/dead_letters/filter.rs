@@ -11,7 +11,7 @@ use utoipa::{IntoParams, ToSchema};
 use super::letter::Letter;
 use crate::auth::Requirement;
 use crate::error::Error;
-use crate::member_ref::Owner;
+use crate::names::Owner;
 use crate::names::{GroupName, MemberName, StreamName};
 
 /// Letters per page when the request names no `limit`.

@@ -13,7 +13,7 @@ use utoipa::ToSchema;
 
 use super::headers as h;
 use crate::auth::Requirement;
-use crate::member_ref::Owner;
+use crate::names::Owner;
 
 /// One dead letter as stored.
 #[derive(Debug, Clone, PartialEq)]

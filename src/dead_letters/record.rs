@@ -8,7 +8,7 @@ use bytes::Bytes;
 
 use super::headers as h;
 use super::{DEAD_LETTER_STREAM, DEAD_LETTER_SUBJECTS};
-use crate::member_ref::Owner;
+use crate::names::Owner;
 use crate::nats::buckets::Buckets;
 
 /// What to record with a dead letter.

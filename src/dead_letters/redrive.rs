@@ -56,7 +56,7 @@ async fn redrive(
         letter: letter.msg_id.clone(),
     };
     archive.mark_redriven(letter, &redriven).await?;
-    metrics::counter!(crate::metrics::REDRIVEN, "stream" => letter.stream.clone()).increment(1);
+    metrics::counter!(crate::telemetry::metrics::REDRIVEN, "stream" => letter.stream.clone()).increment(1);
     Ok(RedriveOutcome { redriven, earlier: false })
 }
 
@@ -128,7 +128,7 @@ fn redrive_msg_id(letter_msg_id: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::member_ref::Owner;
+    use crate::names::Owner;
 
     #[test]
     fn the_republished_message_is_the_original_with_the_letter_named() {

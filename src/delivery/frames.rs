@@ -10,7 +10,7 @@ use serde_json::value::RawValue;
 
 use super::message::{forwardable, Delivered};
 use crate::events::Event;
-use crate::member_ref::MemberRef;
+use crate::names::MemberRef;
 
 /// What keygate sends.
 #[derive(Debug, Serialize)]

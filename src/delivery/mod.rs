@@ -1,17 +1,13 @@
-//! Where messages go: webhooks (signing, verdicts, the hardened client,
-//! destination policy), WebSocket connections and HTTP pull clients (the
-//! dead-letter stream is `crate::dead_letters`).
+//! What every endpoint shares: the message handed out and what of it may
+//! leave keygate, the verdict an answer means and the retry backoff, the
+//! WebSocket frames, and the outboxes of WebSocket and HTTP pull clients.
+//! Webhooks are `crate::webhook`; the dead-letter stream is
+//! `crate::dead_letters`.
 
-pub mod credentials;
-pub mod destination;
-pub mod endpoint;
 pub mod frames;
 pub mod message;
-pub mod protection;
 pub mod pull;
-pub mod signing;
 pub mod verdict;
-pub mod webhook;
 pub mod websocket;
 
 /// A value fit for an HTTP header: visible ASCII kept, everything else

@@ -18,10 +18,10 @@ use tokio_util::sync::CancellationToken;
 
 use super::frames::{message_frame, ClientFrame, MessageFrame, ServerFrame};
 use super::message::Held;
+use super::verdict::Backoff;
 use super::verdict::Judgement;
-use super::webhook::Backoff;
 use super::websocket::client_judgement;
-use crate::member_ref::MemberRef;
+use crate::names::MemberRef;
 
 /// Hex digits naming the replica at the start of every ack id.
 pub const REPLICA_TAG_LEN: usize = 16;

@@ -4,6 +4,27 @@
 
 use std::time::{Duration, SystemTime};
 
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+/// Longest `Retry-After` honoured.
+pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(15 * 60);
+
+/// Retry backoff: `initial_ms` doubling up to `max_ms`, with jitter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct Backoff {
+    #[schema(minimum = 1, example = 500)]
+    pub initial_ms: u64,
+    #[schema(minimum = 1, example = 60000)]
+    pub max_ms: u64,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Self { initial_ms: 500, max_ms: 60_000 }
+    }
+}
+
 /// What happens to a message after a delivery attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {

@@ -11,9 +11,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::frames::{message_frame, ClientFrame, ServerFrame};
 use super::message::Held;
+use super::verdict::Backoff;
 use super::verdict::{Judgement, Verdict};
-use super::webhook::Backoff;
-use crate::member_ref::MemberRef;
+use crate::names::MemberRef;
 
 /// Why a delivery without a client verdict goes to the next holder.
 const CLOSED: &str = "the WebSocket closed before a verdict";
@@ -123,7 +123,7 @@ pub fn client_judgement(answer: Option<ClientFrame>, lost: &str) -> Judgement {
         // Capped like a webhook's Retry-After: a huge delay would hold
         // the lane (and every later holder's barrier) for ever.
         Some(ClientFrame::Nak { delay_ms, .. }) => judged(
-            Verdict::Nak { delay: delay_ms.map(|ms| Duration::from_millis(ms).min(super::webhook::MAX_RETRY_AFTER)) },
+            Verdict::Nak { delay: delay_ms.map(|ms| Duration::from_millis(ms).min(super::verdict::MAX_RETRY_AFTER)) },
             "NAK'd by the client",
         ),
         Some(ClientFrame::Term { .. }) => judged(Verdict::Term, "terminated by the client"),

@@ -15,8 +15,8 @@ use super::spec::{consumer_of, GroupConfig, GroupKind, PartitioningFilterSpec};
 use super::store::{GroupAdmin, DEFAULT_ACK_WAIT_MS};
 use super::view::{GroupView, MemberState, MembershipView, OwnedPartitions, PartitionPending, PinStatus};
 use crate::error::Error;
-use crate::member_ref::{MemberRef, Owner};
 use crate::names::{GroupName, StreamName};
+use crate::names::{MemberRef, Owner};
 use crate::nats::errors::{is_not_found, unavailable_or_internal};
 use crate::pauses::pause_key;
 

@@ -66,7 +66,7 @@ pub async fn watch_sources(groups: GroupAdmin, js: jetstream::Context, cancel: C
                 stream = %stream, group = %group, work_queue = %name, success,
                 "the elastic group's source stayed inactive; asked its work-queue stream's leader to step down"
             );
-            metrics::counter!(crate::metrics::SOURCE_RESTARTS, "stream" => stream.to_string(), "group" => group.to_string())
+            metrics::counter!(crate::telemetry::metrics::SOURCE_RESTARTS, "stream" => stream.to_string(), "group" => group.to_string())
                 .increment(1);
             stepped_down.insert(name.clone(), Instant::now());
             suspects.remove(&name);

@@ -10,12 +10,12 @@ use axum::http::StatusCode;
 use super::extract::{Json, OptionalJson, Path};
 use crate::app::AppState;
 use crate::consumers::{ConsumerPutOutcome, ConsumerSpec, ConsumerView, Policy};
-use crate::delivery::credentials::OutboundAuth;
-use crate::delivery::webhook::{
-    Backoff, BreakerSpec, DeliveryFormat, Registration, RegistrationView, RotateSecret, SubscriberOptions, WebhookSpec,
-};
 use crate::http::problem::{ApiError, Problem};
 use crate::names::{ConsumerName, MemberName, StreamName};
+use crate::webhook::credentials::OutboundAuth;
+use crate::webhook::{
+    Backoff, BreakerSpec, DeliveryFormat, Registration, RegistrationView, RotateSecret, SubscriberOptions, WebhookSpec,
+};
 
 /// Creates (201) or updates (200) a durable pull consumer with a policy.
 /// Refused configurations change nothing.

@@ -14,7 +14,7 @@ use crate::groups::spec::Mapping;
 use crate::groups::view::{GroupSummary, GroupView, MembershipView};
 use crate::groups::{GroupKind, GroupSettings, GroupSpec};
 use crate::http::problem::{ApiError, Problem};
-use crate::member_ref::MemberRef;
+use crate::names::MemberRef;
 use crate::names::{GroupName, MemberName, StreamName};
 
 /// Picks the flavour when a name is used by both.

@@ -35,7 +35,7 @@ pub struct BatchResponse {
 }
 
 fn record(stream: &StreamName, results: &[Result<PublishAck, Error>], kind: &'static str, started: std::time::Instant) {
-    use crate::metrics::{PUBLISHED, PUBLISH_SECONDS};
+    use crate::telemetry::metrics::{PUBLISHED, PUBLISH_SECONDS};
     // One increment per outcome and request, not per message.
     let mut counts = [0u64; 3];
     for result in results {

@@ -260,8 +260,9 @@ pub fn admin_router(state: AppState) -> Router {
 }
 
 fn metrics_route() -> Router<AppState> {
-    let handle = crate::metrics::handle();
-    Router::new().route("/metrics", axum::routing::get(move || std::future::ready(crate::metrics::render(&handle))))
+    let handle = crate::telemetry::metrics::handle();
+    Router::new()
+        .route("/metrics", axum::routing::get(move || std::future::ready(crate::telemetry::metrics::render(&handle))))
 }
 
 /// Every log line of a request's work carries its id (`x-request-id`, taken
@@ -307,9 +308,9 @@ async fn record_request(request: axum::extract::Request, next: axum::middleware:
     let started = std::time::Instant::now();
     let response = next.run(request).await;
     let status = response.status().as_u16().to_string();
-    metrics::counter!(crate::metrics::HTTP_REQUESTS, "route" => route.clone(), "method" => method.clone(), "status" => status)
+    metrics::counter!(crate::telemetry::metrics::HTTP_REQUESTS, "route" => route.clone(), "method" => method.clone(), "status" => status)
         .increment(1);
-    metrics::histogram!(crate::metrics::HTTP_SECONDS, "route" => route, "method" => method)
+    metrics::histogram!(crate::telemetry::metrics::HTTP_SECONDS, "route" => route, "method" => method)
         .record(started.elapsed().as_secs_f64());
     response
 }

@@ -11,8 +11,8 @@ use crate::app::AppState;
 use crate::auth::Caller;
 use crate::events::Event;
 use crate::http::problem::{ApiError, Problem};
-use crate::member_ref::{MemberRef, Owner};
 use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
+use crate::names::{MemberRef, Owner};
 use crate::pauses::{Pause, MAX_REASON};
 
 /// Why the member is paused (optional).

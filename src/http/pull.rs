@@ -15,11 +15,11 @@ use super::ws::{check_member, max_attempts_of};
 use crate::app::AppState;
 use crate::delivery::frames::ClientFrame;
 use crate::delivery::pull::{replica_of, PulledMessage};
-use crate::delivery::webhook::{check_max_in_flight, MAX_RETRY_AFTER};
 use crate::http::problem::{ApiError, Problem};
 use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
 use crate::runtime::join::pinned_ttl;
 use crate::runtime::pull_instances::{PullInstance, PullTarget, SettleFailure, StartOptions};
+use crate::webhook::{check_max_in_flight, MAX_RETRY_AFTER};
 
 /// Most messages one fetch returns, and most verdicts one `acks` request carries.
 const MAX_BATCH: usize = 1000;

@@ -5,11 +5,9 @@ use axum::http::StatusCode;
 
 use super::extract::{Json, OptionalJson, Path};
 use crate::app::AppState;
-use crate::delivery::webhook::{
-    registration_key, Registration, RegistrationView, RotateSecret, WebhookSpec, WebhookView,
-};
 use crate::http::problem::{ApiError, Problem};
 use crate::names::{GroupName, MemberName, StreamName};
+use crate::webhook::{registration_key, Registration, RegistrationView, RotateSecret, WebhookSpec, WebhookView};
 
 fn view(
     stream: &StreamName,

@@ -17,14 +17,14 @@ use utoipa::IntoParams;
 
 use super::extract::{Path, Query};
 use crate::app::AppState;
-use crate::delivery::endpoint::Endpoint;
 use crate::delivery::frames::{ClientFrame, ServerFrame};
-use crate::delivery::webhook::Backoff;
 use crate::delivery::websocket::SocketEndpoint;
 use crate::http::problem::{ApiError, Problem};
 use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
+use crate::runtime::endpoint::Endpoint;
 use crate::runtime::instance::serve;
 use crate::runtime::target::Target;
+use crate::webhook::Backoff;
 
 /// The subprotocol keygate speaks (offered by clients that also pass their
 /// token as a `bearer.<jwt>` subprotocol).
@@ -76,7 +76,7 @@ pub async fn join_member(
     upgrade: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> Result<Response, ApiError> {
     let (upgrade, mut limits) = accept(upgrade, &headers, &state, options.max_attempts)?;
-    crate::delivery::webhook::check_max_in_flight(options.max_in_flight)?;
+    crate::webhook::check_max_in_flight(options.max_in_flight)?;
     limits.max_in_flight = options.max_in_flight;
     check_member(&state, &stream, &group, &member).await?;
     let instances = state.runtime.clone();
@@ -284,7 +284,7 @@ async fn serve_connection(
     run: Runner,
     _slot: SocketSlot,
 ) {
-    let gauge = metrics::gauge!(crate::metrics::WS_CONNECTIONS);
+    let gauge = metrics::gauge!(crate::telemetry::metrics::WS_CONNECTIONS);
     gauge.increment(1.0);
     let (mut sink, mut incoming) = socket.split();
     let (messages_tx, mut messages) = mpsc::channel(MESSAGE_QUEUE);

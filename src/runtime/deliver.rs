@@ -10,18 +10,15 @@ use async_nats::jetstream::AckKind;
 
 use super::lanes::{Settled, Settlement};
 use super::Runtime;
-use crate::cloudevents;
 use crate::dead_letters::{self, DeadLetter};
-use crate::delivery::endpoint::{Endpoint, WebhookEndpoint};
-use crate::delivery::header_safe;
-use crate::delivery::message::{forwardable, Delivered, Held};
-use crate::delivery::protection::{BreakerStep, Protection};
+use crate::delivery::message::{Delivered, Held};
 use crate::delivery::verdict::{backoff, Judgement, Verdict};
-use crate::delivery::webhook::{DeliveryFormat, Outbound, Registration};
 use crate::events::{About, Event};
-use crate::member_ref::MemberRef;
+use crate::names::MemberRef;
 use crate::pauses::{Pause, BREAKER};
-use crate::telemetry::{TraceContext, TRACEPARENT, TRACESTATE};
+use crate::runtime::endpoint::{Endpoint, WebhookEndpoint};
+use crate::telemetry::TraceContext;
+use crate::webhook::protection::{BreakerStep, Protection};
 
 /// What lets a message leave its consumer. Nothing else does: every ack and
 /// term keygate sends goes through [`remove`] with one of these
@@ -45,7 +42,7 @@ pub async fn remove(held: &Delivered, because: Because<'_>) -> Result<Settlement
         Because::DeadLettered(stored) if !stored.id.is_empty() => Settlement::Terminated,
         Because::SettledBefore(how) => how,
         _ => {
-            metrics::counter!(crate::metrics::ACKS_WITHOUT_VERDICT).increment(1);
+            metrics::counter!(crate::telemetry::metrics::ACKS_WITHOUT_VERDICT).increment(1);
             tracing::error!(
                 seq = held.stream_seq,
                 "refused to remove a message without a verdict; it will be redelivered"
@@ -69,63 +66,6 @@ pub struct Outcome {
     pub gone: bool,
 }
 
-/// The request for one delivery. `trace` is the delivery span's context
-/// when spans are exported: it replaces the one the message carries.
-fn outbound(
-    registration: &Registration,
-    who: &MemberRef,
-    held: &Delivered,
-    fencing: u64,
-    trace: Option<&TraceContext>,
-) -> Outbound {
-    let mut headers = Vec::new();
-    let mut content_type = None;
-    if let Some(original) = &held.message.headers {
-        for (name, values) in original.iter() {
-            let name: &str = name.as_ref();
-            let replaced =
-                trace.is_some() && (name.eq_ignore_ascii_case(TRACEPARENT) || name.eq_ignore_ascii_case(TRACESTATE));
-            if !forwardable(name) || replaced {
-                continue;
-            }
-            for value in values {
-                if name.eq_ignore_ascii_case("content-type") {
-                    content_type = Some(value.to_string());
-                } else {
-                    headers.push((name.to_owned(), value.to_string()));
-                }
-            }
-        }
-    }
-    headers.push(("content-type".into(), content_type.unwrap_or_else(|| "application/octet-stream".into())));
-    headers.push(("keygate-stream".into(), who.stream.to_string()));
-    headers.push(("keygate-group".into(), who.group.to_string()));
-    headers.push(("keygate-member".into(), who.member.to_string()));
-    headers.push(("keygate-subject".into(), header_safe(&held.subject)));
-    if let Some(key) = &held.key {
-        headers.push(("keygate-key".into(), header_safe(key)));
-    }
-    headers.push(("keygate-partition".into(), held.partition.to_string()));
-    headers.push(("keygate-stream-seq".into(), held.origin_seq.to_string()));
-    headers.push(("keygate-attempt".into(), held.attempt.to_string()));
-    headers.push(("keygate-fencing-token".into(), fencing.to_string()));
-    headers.extend(trace.into_iter().flat_map(|t| t.headers()).map(|(n, v)| (n.to_owned(), v.to_owned())));
-    let id = format!("{}-{}", held.origin_stream, held.origin_seq);
-    if registration.format == DeliveryFormat::Cloudevents {
-        let event = cloudevents::Delivery {
-            id: &id,
-            stream: who.stream.as_str(),
-            subject: &held.subject,
-            key: held.key.as_deref(),
-            time: held.message.info().map_or_else(|_| time::OffsetDateTime::now_utc(), |info| info.published),
-            event_type: registration.ce_type.as_deref(),
-        };
-        let attributes = cloudevents::binary_headers(&event, &headers);
-        headers.extend(attributes);
-    }
-    Outbound { id, body: held.message.payload.clone(), headers }
-}
-
 /// A WebSocket or pull client's verdict, its wait recorded: the time until
 /// the client's verdict is the endpoint's latency.
 fn client_answered(
@@ -135,7 +75,7 @@ fn client_answered(
     judgement: Judgement,
 ) -> Judgement {
     span.record("endpoint_ms", called.elapsed().as_secs_f64() * 1000.0);
-    metrics::histogram!(crate::metrics::ENDPOINT_SECONDS, labels).record(called.elapsed().as_secs_f64());
+    metrics::histogram!(crate::telemetry::metrics::ENDPOINT_SECONDS, labels).record(called.elapsed().as_secs_f64());
     judgement
 }
 
@@ -161,11 +101,12 @@ pub async fn deliver(ctx: Arc<Runtime>, who: MemberRef, endpoint: Arc<Endpoint>,
             let WebhookEndpoint { registration, signer, protection, credentials } = &**webhook;
             protection.wait_turn().await;
             let trace = TraceContext::of_span(&span);
-            let request = outbound(registration, &who, &held, fencing, trace.as_ref());
+            let request = crate::webhook::request::outbound(registration, &who, &held, fencing, trace.as_ref());
             let sent = std::time::Instant::now();
             let judgement = ctx.webhook_client.call(registration, signer, credentials, &request).await;
             span.record("endpoint_ms", sent.elapsed().as_secs_f64() * 1000.0);
-            metrics::histogram!(crate::metrics::ENDPOINT_SECONDS, &labels).record(called.elapsed().as_secs_f64());
+            metrics::histogram!(crate::telemetry::metrics::ENDPOINT_SECONDS, &labels)
+                .record(called.elapsed().as_secs_f64());
             let step = protection.record(judgement.failed);
             Box::pin(breaker_step(&ctx, &who, protection, step, &judgement, &mut events)).await;
             judgement
@@ -174,7 +115,7 @@ pub async fn deliver(ctx: Arc<Runtime>, who: MemberRef, endpoint: Arc<Endpoint>,
         Endpoint::Pull(pull) => client_answered(&span, called, &labels, pull.call(&who, &held, fencing).await),
     };
     if held.attempt > 1 {
-        metrics::counter!(crate::metrics::REDELIVERIES, &labels).increment(1);
+        metrics::counter!(crate::telemetry::metrics::REDELIVERIES, &labels).increment(1);
     }
     let about = ctx.about(&who);
     let retry = |delay: Option<Duration>| {
@@ -209,7 +150,7 @@ pub async fn deliver(ctx: Arc<Runtime>, who: MemberRef, endpoint: Arc<Endpoint>,
     span.record("verdict", verdict);
     let mut with_verdict = labels.to_vec();
     with_verdict.push(("verdict", verdict.to_owned()));
-    metrics::counter!(crate::metrics::DELIVERIES, &with_verdict).increment(1);
+    metrics::counter!(crate::telemetry::metrics::DELIVERIES, &with_verdict).increment(1);
     Outcome { settled, events, gone: judgement.gone }
 }
 
@@ -259,7 +200,7 @@ async fn breaker_step(
             let why = format!("{failures} deliveries in a row failed (last: {})", judgement.reason);
             match ctx.stores.pauses.pause(who, Pause::by_breaker(why, probe_every)).await {
                 Ok((pause, true)) => {
-                    metrics::counter!(crate::metrics::BREAKER_TRIPS, "stream" => who.stream.to_string(), "group" => who.group.to_string())
+                    metrics::counter!(crate::telemetry::metrics::BREAKER_TRIPS, "stream" => who.stream.to_string(), "group" => who.group.to_string())
                         .increment(1);
                     tracing::warn!(member = %who.member, reason = pause.reason.as_deref().unwrap_or_default(), "circuit breaker tripped: member paused");
                     events.push(Event::member_paused(about, BREAKER, pause.reason.as_deref()));
@@ -312,7 +253,7 @@ pub async fn dead_letter_and_term(
     )
     .await?;
     remove(held, Because::DeadLettered(&stored)).await.map_err(|e| anyhow::anyhow!("terminating: {e}"))?;
-    metrics::counter!(crate::metrics::DEAD_LETTERS, "stream" => who.stream.to_string(), "group" => who.group.to_string())
+    metrics::counter!(crate::telemetry::metrics::DEAD_LETTERS, "stream" => who.stream.to_string(), "group" => who.group.to_string())
         .increment(1);
     let about = ctx.about(who);
     Ok(vec![

@@ -14,17 +14,17 @@ use super::driver::{Dispatch, Driver, Ended, Joined, MemberJoined, SubscriberJoi
 use super::join::{join, pinned_ttl, JoinError};
 use super::target::Target;
 use super::Runtime;
-use crate::delivery::endpoint::Endpoint;
 use crate::delivery::frames::ServerFrame;
 use crate::delivery::message::Partitioning;
-use crate::delivery::webhook::{redact_url, registration_key, Registration, SubscriberOptions};
 use crate::events::Event;
 use crate::groups::config::{ELASTIC_BUCKET, PRIORITY_GROUP, STATIC_BUCKET};
 use crate::groups::spec::filter_subjects_of;
 use crate::groups::store::{DEFAULT_ACK_WAIT_MS, SETTINGS_BUCKET};
 use crate::groups::{GroupConfig, GroupKind};
-use crate::member_ref::MemberRef;
+use crate::names::MemberRef;
 use crate::pauses::{wait_while_paused, Waited, PAUSES_BUCKET};
+use crate::runtime::endpoint::Endpoint;
+use crate::webhook::{redact_url, registration_key, Registration, SubscriberOptions};
 
 /// Serves `target` through its webhook registration until `cancel`.
 pub async fn serve_webhook(ctx: Arc<Runtime>, target: Target, registration: Registration, cancel: CancellationToken) {
@@ -261,7 +261,7 @@ struct Running(metrics::Gauge);
 
 impl Running {
     fn count(who: &MemberRef) -> Self {
-        let gauge = metrics::gauge!(crate::metrics::MEMBER_INSTANCES, "stream" => who.stream.to_string(), "group" => who.group.to_string());
+        let gauge = metrics::gauge!(crate::telemetry::metrics::MEMBER_INSTANCES, "stream" => who.stream.to_string(), "group" => who.group.to_string());
         gauge.increment(1.0);
         Self(gauge)
     }

@@ -12,6 +12,7 @@
 pub mod config_watch;
 pub mod deliver;
 pub mod driver;
+pub mod endpoint;
 pub mod fencing;
 pub mod instance;
 pub mod join;
@@ -31,15 +32,15 @@ use async_nats::jetstream;
 
 use self::config_watch::ConfigWatch;
 use crate::cluster::Cluster;
-use crate::delivery::webhook::{WebhookClient, WebhookStore};
 use crate::events::{About, EventBus};
 use crate::groups::{GroupAdmin, GroupConfig};
-use crate::member_ref::MemberRef;
+use crate::names::MemberRef;
 use crate::names::{GroupName, StreamName};
 use crate::nats::buckets::Buckets;
 use crate::nats::outbox::Outbox;
 use crate::nats::shared::SharedSubscriptions;
 use crate::settings::Settings;
+use crate::webhook::{WebhookClient, WebhookStore};
 
 /// What keygate runs on: built whole before serving, shared by the HTTP
 /// handlers and every instance.

@@ -6,10 +6,10 @@
 use async_nats::jetstream::consumer;
 
 use super::Runtime;
-use crate::delivery::endpoint::Endpoint;
 use crate::delivery::frames::ServerFrame;
 use crate::events::Event;
-use crate::member_ref::MemberRef;
+use crate::names::MemberRef;
+use crate::runtime::endpoint::Endpoint;
 
 /// Where an instance stands with its consumer's pin.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -130,7 +130,7 @@ pub fn announce_standby(ctx: &Runtime, who: &MemberRef, endpoint: &Endpoint, par
 /// Counts a pin gained or lost in `keygate_pin_changes_total`.
 pub fn count_pin_change(who: &MemberRef, change: &'static str) {
     metrics::counter!(
-        crate::metrics::PIN_CHANGES,
+        crate::telemetry::metrics::PIN_CHANGES,
         "stream" => who.stream.to_string(),
         "group" => who.group.to_string(),
         "member" => who.member.to_string(),

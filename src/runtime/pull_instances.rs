@@ -15,15 +15,15 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::delivery::endpoint::Endpoint;
 use crate::delivery::frames::ClientFrame;
 use crate::delivery::pull::{new_replica_tag, replica_of, PullEndpoint, PullStatus, PulledMessage};
-use crate::delivery::webhook::SubscriberOptions;
 use crate::error::Error;
 use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
+use crate::runtime::endpoint::Endpoint;
 use crate::runtime::instance::serve;
 use crate::runtime::target::Target;
 use crate::runtime::Runtime;
+use crate::webhook::SubscriberOptions;
 
 /// Where verdicts for another replica's deliveries go: `<prefix><replica tag>`.
 pub const FORWARD_PREFIX: &str = "keygate.pull.";
@@ -187,7 +187,7 @@ impl PullInstances {
         });
         running.insert(target.clone(), instance.clone());
         drop(running);
-        let gauge = metrics::gauge!(crate::metrics::PULL_INSTANCES);
+        let gauge = metrics::gauge!(crate::telemetry::metrics::PULL_INSTANCES);
         gauge.increment(1.0);
         let ctx = self.inner.ctx.clone();
         let serve = {

@@ -18,8 +18,8 @@ impl ShuffleWindow {
         let labels = [("stream", stream.to_owned()), ("consumer", consumer.to_owned())];
         Self {
             until: Default::default(),
-            size: metrics::gauge!(crate::metrics::SHUFFLE_WINDOW, &labels),
-            delayed: metrics::counter!(crate::metrics::SHUFFLE_DELAYED, &labels),
+            size: metrics::gauge!(crate::telemetry::metrics::SHUFFLE_WINDOW, &labels),
+            delayed: metrics::counter!(crate::telemetry::metrics::SHUFFLE_DELAYED, &labels),
         }
     }
 

@@ -14,8 +14,8 @@ use tokio_util::task::TaskTracker;
 use super::instance::serve_webhook;
 use super::target::{Target, DEFAULT_SUBSCRIBER_OPTIONS};
 use super::Runtime;
-use crate::delivery::webhook::{redact_url, Registration, CONSUMER_WEBHOOKS_BUCKET, WEBHOOKS_BUCKET};
 use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
+use crate::webhook::{redact_url, Registration, CONSUMER_WEBHOOKS_BUCKET, WEBHOOKS_BUCKET};
 
 struct Running {
     registration: Registration,

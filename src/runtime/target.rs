@@ -3,9 +3,9 @@
 //! the target decides how the consumer is joined and how messages are
 //! dispatched (lanes in key or partition order, or plain concurrency).
 
-use crate::delivery::webhook::{registration_key, SubscriberOptions};
-use crate::member_ref::{MemberRef, Owner};
 use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
+use crate::names::{MemberRef, Owner};
+use crate::webhook::{registration_key, SubscriberOptions};
 
 /// One member or subscriber, as an instance serves it.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -66,6 +66,6 @@ pub async fn sample_backlog(groups: GroupAdmin, nats: async_nats::Client, every:
 }
 
 fn pending_gauge(stream: &str, group: &str, partition: u32) -> metrics::Gauge {
-    metrics::gauge!(crate::metrics::PARTITION_PENDING,
+    metrics::gauge!(crate::telemetry::metrics::PARTITION_PENDING,
         "stream" => stream.to_owned(), "group" => group.to_owned(), "partition" => partition.to_string())
 }

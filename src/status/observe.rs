@@ -9,7 +9,7 @@ use crate::cluster::replicas::Replicas;
 use crate::error::Error;
 use crate::groups::view::{BlockedView, GroupView, InstanceState};
 use crate::groups::{GroupAdmin, GroupKind};
-use crate::member_ref::MemberRef;
+use crate::names::MemberRef;
 use crate::names::{GroupName, MemberName, StreamName};
 
 /// How long a roll call waits for instances to answer.

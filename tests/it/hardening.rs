@@ -42,7 +42,7 @@ async fn dead_letters(app: &TestApp) -> Vec<(String, String)> {
 #[tokio::test]
 async fn a_duplicate_dead_letter_is_accepted_only_for_the_same_message() {
     use keygate::dead_letters::{record, DeadLetter};
-    use keygate::member_ref::Owner;
+    use keygate::names::Owner;
     let app = TestApp::start().await;
     let letter = |payload: &'static str| DeadLetter {
         owner: Owner::Group,

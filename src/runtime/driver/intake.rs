@@ -139,7 +139,7 @@ impl Driver {
             // The handover barrier waits for exactly that.
             self.shared.lock().lanes.set_barrier(true);
             let who = self.who();
-            metrics::counter!(crate::metrics::DELIVERY_GAPS, "stream" => who.stream.to_string(),
+            metrics::counter!(crate::telemetry::metrics::DELIVERY_GAPS, "stream" => who.stream.to_string(),
                 "group" => who.group.to_string())
             .increment(1);
             tracing::info!(member = %who.member, consumer_seq,

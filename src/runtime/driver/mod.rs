@@ -43,15 +43,15 @@ use super::window_share::{WindowShare, RENEW_EVERY};
 use super::Runtime;
 use crate::cluster::balance::ROOM_RECHECK;
 use crate::consumers::Shuffle;
-use crate::delivery::endpoint::Endpoint;
 use crate::delivery::message::{Held, Partitioning};
-use crate::delivery::webhook::{SubscriberOptions, DEFAULT_KEY_IN_FLIGHT};
 use crate::events::Event;
 use crate::groups::config::config_key;
 use crate::groups::spec::filter_subjects_of;
 use crate::groups::{GroupConfig, GroupSettings, Ordering as GroupOrdering};
-use crate::member_ref::MemberRef;
+use crate::names::MemberRef;
 use crate::pauses::PauseUpdate;
+use crate::runtime::endpoint::Endpoint;
+use crate::webhook::{SubscriberOptions, DEFAULT_KEY_IN_FLIGHT};
 
 /// How soon a seeking instance first asks who holds the pin, and how often
 /// a pinned one retries raising its fencing token.

@@ -15,7 +15,7 @@
 
 use std::time::Duration;
 
-use crate::delivery::webhook::SubscriberOptions;
+use crate::webhook::SubscriberOptions;
 
 /// Most messages a member asks for in one pull.
 pub const MAX_PULL_BATCH: usize = 256;

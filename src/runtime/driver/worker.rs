@@ -14,11 +14,11 @@ use futures::FutureExt;
 use tokio::sync::Notify;
 
 use crate::cluster::roster::Roster;
-use crate::delivery::endpoint::Endpoint;
 use crate::delivery::message::Held;
 use crate::events::{About, Event};
-use crate::member_ref::MemberRef;
+use crate::names::MemberRef;
 use crate::runtime::deliver::{dead_letter_and_term, deliver, Outcome};
+use crate::runtime::endpoint::Endpoint;
 use crate::runtime::lanes::{Blocked, Dispatched, LaneId, LaneKey, Lanes, Settled, Settlement};
 use crate::runtime::Runtime;
 
@@ -51,8 +51,8 @@ impl BlockedLanes {
             [("stream", who.stream.to_string()), ("group", who.group.to_string()), ("member", who.member.to_string())];
         Self {
             set: BTreeSet::new(),
-            partitions: metrics::gauge!(crate::metrics::BLOCKED_PARTITIONS, labels.as_slice()),
-            keys: metrics::gauge!(crate::metrics::BLOCKED_KEYS, labels.as_slice()),
+            partitions: metrics::gauge!(crate::telemetry::metrics::BLOCKED_PARTITIONS, labels.as_slice()),
+            keys: metrics::gauge!(crate::telemetry::metrics::BLOCKED_KEYS, labels.as_slice()),
             roster,
             who: who.clone(),
             session,

@@ -1,45 +1,22 @@
-//! Webhook members: registrations (stored in keygate's own KV bucket, so
-//! every replica serves them) and the hardened HTTP client that calls them.
+//! A webhook registration: as `PUT …/webhook` takes it ([`WebhookSpec`]),
+//! as stored ([`Registration`], in keygate's own KV bucket so every replica
+//! serves it), and as the API shows it (never its secrets).
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use async_nats::jetstream::{self, kv};
-use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use super::credentials::{check_headers, Credentials, OutboundAuth};
-use super::destination::DestinationPolicy;
-use super::signing::{SecretError, Signer, SigningKey};
-use super::verdict::{judge, Judgement, Response, RetryPolicy};
+use super::credentials::OutboundAuth;
+use super::signing::{SecretError, Signer};
+use crate::delivery::verdict::Backoff;
 use crate::error::Error;
-use crate::nats::buckets::{BucketSpec, Buckets};
-use crate::nats::errors::{is_not_found, unavailable_or_internal};
 
 /// KV bucket of webhook registrations, key `<stream>.<group>.<member>`.
 pub const WEBHOOKS_BUCKET: &str = "keygate-webhooks";
 /// Most bytes of a response body keygate reads.
 pub const MAX_RESPONSE_BODY: usize = 64 * 1024;
-/// Longest `Retry-After` honoured.
-pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(15 * 60);
-
-/// Retry backoff: `initial_ms` doubling up to `max_ms`, with jitter.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-pub struct Backoff {
-    #[schema(minimum = 1, example = 500)]
-    pub initial_ms: u64,
-    #[schema(minimum = 1, example = 60000)]
-    pub max_ms: u64,
-}
-
-impl Default for Backoff {
-    fn default() -> Self {
-        Self { initial_ms: 500, max_ms: 60_000 }
-    }
-}
-
 /// A circuit breaker: after `failures` failed deliveries in a row (no 2xx
 /// answer), the member pauses itself on every replica; with
 /// `probe_interval_ms`, one replica then tries one message that often and
@@ -366,7 +343,7 @@ impl RotateSecret {
 }
 
 /// Refuses rate, breaker and retry settings keygate cannot apply.
-fn check_protection(spec: &WebhookSpec) -> Result<(), Error> {
+pub(super) fn check_protection(spec: &WebhookSpec) -> Result<(), Error> {
     let bad = |m: &str| Err(Error::Invalid(m.to_owned()));
     match (spec.max_rate, spec.burst) {
         (Some(rate), _) if !(0.001..=100_000.0).contains(&rate) => {
@@ -400,308 +377,6 @@ pub fn registration_key(stream: &str, group: &str, member: &str) -> String {
     format!("{stream}.{group}.{member}")
 }
 
-/// Registrations over one JetStream context.
-#[derive(Clone)]
-pub struct WebhookStore {
-    js: jetstream::Context,
-    buckets: Buckets,
-    policy: Arc<DestinationPolicy>,
-    bucket: &'static str,
-}
-
-impl WebhookStore {
-    /// Members' registrations through `js`, checked against `policy`.
-    pub fn new(buckets: Buckets, policy: Arc<DestinationPolicy>) -> Self {
-        Self { js: buckets.js().clone(), buckets, policy, bucket: WEBHOOKS_BUCKET }
-    }
-
-    /// Consumer subscribers' registrations.
-    pub fn for_consumers(buckets: Buckets, policy: Arc<DestinationPolicy>) -> Self {
-        Self { js: buckets.js().clone(), buckets, policy, bucket: CONSUMER_WEBHOOKS_BUCKET }
-    }
-
-    /// The bucket, created when missing.
-    pub async fn bucket(&self) -> Result<kv::Store, Error> {
-        self.buckets.open_or_create(BucketSpec::state(self.bucket, "")).await
-    }
-
-    /// Registers or replaces a webhook. Returns whether it was new.
-    pub async fn put(&self, key: &str, spec: WebhookSpec) -> Result<(bool, Registration, Option<String>), Error> {
-        self.put_with(key, spec, None).await
-    }
-
-    /// Registers or replaces a webhook with subscriber options.
-    pub async fn put_with(
-        &self,
-        key: &str,
-        spec: WebhookSpec,
-        subscriber: Option<SubscriberOptions>,
-    ) -> Result<(bool, Registration, Option<String>), Error> {
-        let url = self.policy.check_url(&spec.url).await.map_err(Error::Unprocessable)?;
-        let timeout_ms = spec.timeout_ms.unwrap_or(10_000);
-        if !(1..=300_000).contains(&timeout_ms) {
-            return Err(Error::Invalid("timeout_ms must be between 1 and 300000".into()));
-        }
-        let max_attempts = spec.max_attempts.unwrap_or(10);
-        if !(1..=1000).contains(&max_attempts) {
-            return Err(Error::Invalid("max_attempts must be between 1 and 1000".into()));
-        }
-        let backoff = spec.backoff.unwrap_or_default();
-        if backoff.initial_ms == 0 || backoff.max_ms < backoff.initial_ms {
-            return Err(Error::Invalid("backoff needs 0 < initial_ms <= max_ms".into()));
-        }
-        check_max_in_flight(spec.max_in_flight)?;
-        if spec.max_in_flight.is_some() && subscriber.is_some() {
-            return Err(Error::Invalid("max_in_flight is for group members; a subscriber takes concurrency".into()));
-        }
-        if let Some(secret) = &spec.secret {
-            SigningKey::parse(secret).map_err(|e| Error::Invalid(e.to_string()))?;
-        }
-        check_protection(&spec)?;
-        if let Some(headers) = &spec.headers {
-            check_headers(headers)?;
-        }
-        if let Some(auth) = &spec.auth {
-            auth.check(&self.policy).await?;
-        }
-        let format = spec.format.unwrap_or_default();
-        if let Some(event_type) = &spec.ce_type {
-            if format != DeliveryFormat::Cloudevents {
-                return Err(Error::Invalid("ce_type goes with \"format\": \"cloudevents\"".into()));
-            }
-            crate::cloudevents::check_event_type(event_type).map_err(Error::Invalid)?;
-        }
-        let store = self.bucket().await?;
-        let existing = self.read(&store, key).await?;
-        let mut generated = None;
-        let secret_given = spec.secret.is_some();
-        let secret = match (spec.secret, &existing) {
-            (Some(given), _) => given,
-            (None, Some(old)) => old.secret.clone(),
-            (None, None) => {
-                let new = SigningKey::generate();
-                generated = Some(new.clone());
-                new
-            }
-        };
-        let registration = Registration {
-            url: url.to_string(),
-            secret,
-            timeout_ms,
-            max_attempts,
-            backoff,
-            max_in_flight: spec.max_in_flight,
-            subscriber,
-            max_rate: spec.max_rate,
-            burst: spec.burst,
-            breaker: spec.breaker,
-            retry_statuses: spec.retry_statuses.unwrap_or_default(),
-            // A PUT that names its secret ends any rotation's overlap; one
-            // that keeps the secret keeps it.
-            previous_secret: existing.as_ref().filter(|_| !secret_given).and_then(|old| old.previous_secret.clone()),
-            previous_secret_until: existing
-                .as_ref()
-                .filter(|_| !secret_given)
-                .and_then(|old| old.previous_secret_until),
-            headers: spec.headers.unwrap_or_default(),
-            auth: spec.auth,
-            format,
-            ce_type: spec.ce_type,
-        };
-        let bytes = Bytes::from(serde_json::to_vec(&registration).unwrap_or_default());
-        store.put(key, bytes).await.map_err(|e| unavailable_or_internal("storing webhook", e))?;
-        Ok((existing.is_none(), registration, generated))
-    }
-
-    async fn read(&self, store: &kv::Store, key: &str) -> Result<Option<Registration>, Error> {
-        let value = store.get(key).await.map_err(|e| unavailable_or_internal("reading webhook", e))?;
-        Ok(value.and_then(|v| serde_json::from_slice(&v).ok()))
-    }
-
-    /// A member's registration.
-    pub async fn get(&self, key: &str) -> Result<Option<Registration>, Error> {
-        match self.js.get_key_value(self.bucket).await {
-            Ok(store) => self.read(&store, key).await,
-            Err(e) if is_not_found(&e) => Ok(None),
-            Err(e) => Err(unavailable_or_internal("reading webhook", e)),
-        }
-    }
-
-    /// Removes every registration whose key lies under `prefix`, which ends
-    /// in a dot (a deleted consumer's subscribers: `{stream}.{consumer}.`).
-    pub async fn delete_prefixed(&self, prefix: &str) -> Result<usize, Error> {
-        let store = match self.js.get_key_value(self.bucket).await {
-            Ok(store) => store,
-            Err(e) if is_not_found(&e) => return Ok(0),
-            Err(e) => return Err(unavailable_or_internal("reading webhooks", e)),
-        };
-        let registered = crate::nats::kv_scan::live_entries(&self.js, &store, &format!("{prefix}>")).await?;
-        let mut removed = 0;
-        for (key, _) in registered {
-            store.delete(&key).await.map_err(|e| unavailable_or_internal("deleting webhook", e))?;
-            removed += 1;
-        }
-        Ok(removed)
-    }
-
-    /// Replaces the registration's secret with a new one; the old one keeps
-    /// signing beside it for `overlap`. `None` when nothing is registered.
-    /// Compare-and-set: a concurrent change makes it a 409.
-    pub async fn rotate_secret(&self, key: &str, overlap: Duration) -> Result<Option<(Registration, String)>, Error> {
-        let store = self.bucket().await?;
-        let entry = store.entry(key).await.map_err(|e| unavailable_or_internal("reading webhook", e))?;
-        let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) else { return Ok(None) };
-        let Ok(mut registration) = serde_json::from_slice::<Registration>(&entry.value) else { return Ok(None) };
-        let new = SigningKey::generate();
-        let until = SystemTime::now() + overlap;
-        let until_secs = until.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
-        let old = std::mem::replace(&mut registration.secret, new.clone());
-        (registration.previous_secret, registration.previous_secret_until) =
-            if overlap.is_zero() { (None, None) } else { (Some(old), Some(until_secs)) };
-        let bytes = Bytes::from(serde_json::to_vec(&registration).unwrap_or_default());
-        match store.update(key, bytes, entry.revision).await {
-            Ok(_) => Ok(Some((registration, new))),
-            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
-                Err(Error::Conflict("the registration changed meanwhile; rotate again".into()))
-            }
-            Err(e) => Err(unavailable_or_internal("storing webhook", e)),
-        }
-    }
-
-    /// Removes a member's registration; every replica stops serving it.
-    pub async fn delete(&self, key: &str) -> Result<bool, Error> {
-        if self.get(key).await?.is_none() {
-            return Ok(false);
-        }
-        let store = self.bucket().await?;
-        store.delete(key).await.map_err(|e| unavailable_or_internal("deleting webhook", e))?;
-        Ok(true)
-    }
-}
-
-/// One call to make.
-#[derive(Debug, Clone)]
-pub struct Outbound {
-    /// `webhook-id`: stable across retries.
-    pub id: String,
-    pub body: Bytes,
-    /// Headers besides the signature ones.
-    pub headers: Vec<(String, String)>,
-}
-
-/// The client that calls webhooks: no redirects, bounded time and bodies,
-/// destinations checked on every connection.
-#[derive(Clone)]
-pub struct WebhookClient {
-    http: reqwest::Client,
-    policy: Arc<DestinationPolicy>,
-}
-
-impl WebhookClient {
-    /// A client bound by `policy`.
-    pub fn new(policy: Arc<DestinationPolicy>) -> anyhow::Result<Self> {
-        let http = super::destination::client_builder(&policy).build()?;
-        Ok(Self { http, policy })
-    }
-
-    /// `auth`'s credentials for one instance of a registration.
-    pub fn credentials(&self, auth: Option<&OutboundAuth>) -> Credentials {
-        Credentials::load(auth, &self.policy, &self.http)
-    }
-
-    /// POSTs one message and judges the answer.
-    pub async fn call(
-        &self,
-        registration: &Registration,
-        signer: &Signer,
-        credentials: &Credentials,
-        outbound: &Outbound,
-    ) -> Judgement {
-        let now = SystemTime::now();
-        // With credentials, a 401 means they expired or were rotated: they
-        // are fetched again and the message retried, not dead-lettered.
-        let with_401;
-        let retry_statuses = match &registration.auth {
-            Some(_) => {
-                with_401 = [registration.retry_statuses.as_slice(), &[401]].concat();
-                with_401.as_slice()
-            }
-            None => registration.retry_statuses.as_slice(),
-        };
-        let policy = RetryPolicy { max_retry_after: MAX_RETRY_AFTER, retry_statuses };
-        let timestamp = now.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
-        let signature = signer.sign(&outbound.id, timestamp, &outbound.body, now);
-        if let Ok(url) = reqwest::Url::parse(&registration.url) {
-            if let Some(ip) = url.host_str().and_then(|h| h.trim_start_matches('[').trim_end_matches(']').parse().ok())
-            {
-                if !self.policy.host_listed(url.host_str().unwrap_or_default()) {
-                    if let Some(why) = self.policy.refuse_address(ip) {
-                        return judge(&Response::ConnectionError(why), now, policy);
-                    }
-                }
-            }
-        }
-        let authorization = match credentials.authorization().await {
-            Ok(value) => value,
-            Err(why) => return judge(&Response::ConnectionError(format!("no credentials: {why}")), now, policy),
-        };
-        let mut request = credentials
-            .client()
-            .unwrap_or(&self.http)
-            .post(&registration.url)
-            .timeout(Duration::from_millis(registration.timeout_ms))
-            .header("webhook-id", &outbound.id)
-            .header("webhook-timestamp", timestamp.to_string())
-            .header("webhook-signature", signature);
-        for (name, value) in registration.headers.iter().chain(outbound.headers.iter().map(|(n, v)| (n, v))) {
-            request = request.header(name.as_str(), value.as_str());
-        }
-        if let Some(value) = authorization {
-            request = request.header(reqwest::header::AUTHORIZATION, value);
-        }
-        let response = match request.body(outbound.body.clone()).send().await {
-            Ok(r) => r,
-            Err(e) if e.is_timeout() => return judge(&Response::Timeout, now, policy),
-            // reqwest names the URL in its errors; its query string is often
-            // a token, and this text reaches events and dead letters.
-            Err(e) => return judge(&Response::ConnectionError(error_chain(&e.without_url())), now, policy),
-        };
-        let status = response.status().as_u16();
-        if status == 401 {
-            credentials.refused().await;
-        }
-        let header = |name: &str| response.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
-        let (retry_after, keygate_ack) = (header("retry-after"), header("keygate-ack"));
-        let body = match read_capped(response).await {
-            Ok(body) => body,
-            Err(e) if e.is_timeout() => return judge(&Response::Timeout, now, policy),
-            Err(_) => Vec::new(),
-        };
-        judge(
-            &Response::Http {
-                status,
-                retry_after: retry_after.as_deref(),
-                keygate_ack: keygate_ack.as_deref(),
-                body: &body,
-            },
-            now,
-            policy,
-        )
-    }
-}
-
-async fn read_capped(mut response: reqwest::Response) -> Result<Vec<u8>, reqwest::Error> {
-    let mut body = Vec::new();
-    while let Some(chunk) = response.chunk().await? {
-        let room = MAX_RESPONSE_BODY.saturating_sub(body.len());
-        body.extend_from_slice(&chunk[..chunk.len().min(room)]);
-        if body.len() >= MAX_RESPONSE_BODY {
-            break;
-        }
-    }
-    Ok(body)
-}
-
 /// A URL fit for a log line: scheme, host, port and path, without the user
 /// info and query string that often carry credentials.
 pub fn redact_url(url: &str) -> String {
@@ -715,17 +390,6 @@ pub fn redact_url(url: &str) -> String {
         }
         Err(_) => "(unparsable URL)".to_owned(),
     }
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }
 
 #[cfg(test)]

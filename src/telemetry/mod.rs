@@ -8,6 +8,8 @@
 //! carries keygate's publish span and the endpoint gets the delivery span,
 //! both in the publisher's trace.
 
+pub mod metrics;
+
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
 use opentelemetry::trace::TraceContextExt;
 use opentelemetry_sdk::propagation::TraceContextPropagator;

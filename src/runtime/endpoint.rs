@@ -4,13 +4,13 @@
 
 use std::sync::Arc;
 
-use super::credentials::Credentials;
-use super::frames::ServerFrame;
-use super::protection::Protection;
-use super::pull::PullEndpoint;
-use super::signing::{SecretError, Signer};
-use super::webhook::{Backoff, Registration, WebhookClient};
-use super::websocket::SocketEndpoint;
+use crate::delivery::frames::ServerFrame;
+use crate::delivery::pull::PullEndpoint;
+use crate::delivery::websocket::SocketEndpoint;
+use crate::webhook::credentials::Credentials;
+use crate::webhook::protection::Protection;
+use crate::webhook::signing::{SecretError, Signer};
+use crate::webhook::{Backoff, Registration, WebhookClient};
 
 /// A member instance's endpoint.
 pub enum Endpoint {

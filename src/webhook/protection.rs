@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 
-use super::webhook::{BreakerSpec, Registration};
+use super::registration::{BreakerSpec, Registration};
 
 /// What one delivery's outcome does to the breaker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

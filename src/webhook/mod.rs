@@ -1,0 +1,22 @@
+//! Webhook endpoints: the registration as the API takes and stores it
+//! (`registration.rs`), its KV store (`store.rs`), the request one
+//! delivery makes (`request.rs`) and its Standard Webhooks signature
+//! (`signing.rs`), the hardened client that sends it (`client.rs`: no
+//! redirects, bounded time and bodies) with the destination policy
+//! (`destination.rs`) and outbound credentials (`credentials.rs`), and the
+//! rate limit and breaker (`protection.rs`). Below the runtime, above
+//! `delivery/` (the message, the verdict).
+
+pub mod client;
+pub mod credentials;
+pub mod destination;
+pub mod protection;
+pub mod registration;
+pub mod request;
+pub mod signing;
+pub mod store;
+
+pub use crate::delivery::verdict::{Backoff, MAX_RETRY_AFTER};
+pub use client::{Outbound, WebhookClient};
+pub use registration::*;
+pub use store::WebhookStore;
