@@ -1,30 +1,36 @@
 //! keygate: Kafka-style ordered-per-key processing on NATS JetStream for any
 //! HTTP or WebSocket client.
+//!
+//! The library is the app: the binary parses its command line and calls
+//! [`run`] (or the admin CLI in [`cli`]). What is public here is what the
+//! binary, the integration tests, the benches and the fuzz targets reach;
+//! everything else is internal, and tests reach it through the HTTP API
+//! or the test kit (`testkit/`). docs/architecture.md has the module map.
 
-pub mod app;
-pub mod auth;
+mod app;
+mod auth;
 pub mod cli;
-pub mod cloudevents;
+mod cloudevents;
 pub mod cluster;
-pub mod consumers;
+mod consumers;
 pub mod dead_letters;
-pub mod delivery;
+mod delivery;
 pub mod error;
-pub mod events;
-pub mod groups;
+mod events;
+mod groups;
 pub mod http;
 pub mod names;
 pub mod nats;
 pub mod partition;
-pub mod pauses;
+mod pauses;
 pub mod publish;
 pub mod runtime;
-pub mod seek;
+mod seek;
 pub mod settings;
-pub mod status;
+mod status;
 pub mod streams;
 pub mod telemetry;
-pub mod webhook;
+mod webhook;
 
-pub use app::{run, AppState};
+pub use app::run;
 pub use settings::Settings;

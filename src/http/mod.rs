@@ -17,6 +17,7 @@ pub mod pull;
 pub mod seek;
 pub mod serve;
 pub mod streams;
+mod target;
 pub mod webhooks;
 pub mod ws;
 

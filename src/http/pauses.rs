@@ -55,30 +55,6 @@ fn actor(caller: Option<&Caller>) -> String {
     }
 }
 
-async fn group_member(
-    state: &AppState,
-    stream: StreamName,
-    group: GroupName,
-    member: MemberName,
-) -> Result<MemberRef, ApiError> {
-    let stored = state.runtime.stores.groups.load(&stream, &group, None).await?;
-    if !stored.config.has_member(member.as_str()) {
-        return Err(ApiError::NotFound(format!("member {member} is not in group {group}")));
-    }
-    Ok(MemberRef { stream, group, member, owner: Owner::Group })
-}
-
-async fn consumer_subscriber(
-    state: &AppState,
-    stream: StreamName,
-    consumer: ConsumerName,
-    subscriber: MemberName,
-) -> Result<MemberRef, ApiError> {
-    state.consumers.get(&stream, &consumer).await?;
-    let group = GroupName::parse(consumer.as_str()).map_err(|e| ApiError::BadRequest(e.to_string()))?;
-    Ok(MemberRef { stream, group, member: subscriber, owner: Owner::Consumer })
-}
-
 async fn pause(
     state: &AppState,
     who: MemberRef,
@@ -131,7 +107,7 @@ pub async fn pause_member(
     Path((stream, group, member)): Path<(StreamName, GroupName, MemberName)>,
     OptionalJson(request): OptionalJson<PauseRequest>,
 ) -> Result<Json<PauseState>, ApiError> {
-    let who = group_member(&state, stream, group, member).await?;
+    let who = super::target::group_member(&state, stream, group, member).await?;
     pause(&state, who, caller.as_deref(), request).await
 }
 
@@ -152,7 +128,7 @@ pub async fn resume_member(
     caller: Option<axum::Extension<Caller>>,
     Path((stream, group, member)): Path<(StreamName, GroupName, MemberName)>,
 ) -> Result<Json<PauseState>, ApiError> {
-    let who = group_member(&state, stream, group, member).await?;
+    let who = super::target::group_member(&state, stream, group, member).await?;
     resume(&state, who, caller.as_deref()).await
 }
 
@@ -174,7 +150,7 @@ pub async fn pause_subscriber(
     Path((stream, consumer, subscriber)): Path<(StreamName, ConsumerName, MemberName)>,
     OptionalJson(request): OptionalJson<PauseRequest>,
 ) -> Result<Json<PauseState>, ApiError> {
-    let who = consumer_subscriber(&state, stream, consumer, subscriber).await?;
+    let (who, _) = super::target::consumer_subscriber(&state, stream, consumer, subscriber).await?;
     pause(&state, who, caller.as_deref(), request).await
 }
 
@@ -194,6 +170,6 @@ pub async fn resume_subscriber(
     caller: Option<axum::Extension<Caller>>,
     Path((stream, consumer, subscriber)): Path<(StreamName, ConsumerName, MemberName)>,
 ) -> Result<Json<PauseState>, ApiError> {
-    let who = consumer_subscriber(&state, stream, consumer, subscriber).await?;
+    let (who, _) = super::target::consumer_subscriber(&state, stream, consumer, subscriber).await?;
     resume(&state, who, caller.as_deref()).await
 }

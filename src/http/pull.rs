@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use super::extract::{Json, OptionalJson, Path};
-use super::ws::{check_member, max_attempts_of};
+use super::ws::max_attempts_of;
 use crate::app::AppState;
 use crate::delivery::frames::ClientFrame;
 use crate::delivery::pull::{replica_of, PulledMessage};
@@ -169,7 +169,7 @@ pub async fn fetch_member(
     let instance = match pulls.get(&target) {
         Some(instance) => instance,
         None => {
-            check_member(&state, &stream, &group, &member).await?;
+            super::target::group_member(&state, stream.clone(), group.clone(), member.clone()).await?;
             let settings = state.runtime.stores.groups.settings(&stream, &group).await?;
             let ack_wait =
                 Duration::from_millis(settings.ack_wait_ms.unwrap_or(crate::groups::store::DEFAULT_ACK_WAIT_MS));
@@ -229,7 +229,8 @@ pub async fn fetch_subscriber(
         let visibility = visibility(request.visibility_ms, &instance.options)?;
         return Ok(Json(batch.fetch(&instance, visibility).await));
     }
-    let current = state.consumers.subscribable(&stream, &consumer).await?;
+    let (_, current) =
+        super::target::consumer_subscriber(&state, stream.clone(), consumer.clone(), subscriber.clone()).await?;
     let pull = super::consumers::pull_options(
         current.policy,
         request.priority,

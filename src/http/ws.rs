@@ -78,12 +78,13 @@ pub async fn join_member(
     let (upgrade, mut limits) = accept(upgrade, &headers, &state, options.max_attempts)?;
     crate::webhook::check_max_in_flight(options.max_in_flight)?;
     limits.max_in_flight = options.max_in_flight;
-    check_member(&state, &stream, &group, &member).await?;
+    let who = super::target::group_member(&state, stream, group, member).await?;
     let instances = state.runtime.clone();
     let limit = state.settings.ws_max_connections_per_member;
-    let slot = state.sockets_per_member.take(format!("member {stream}/{group}/{member}"), limit)?;
-    let events_of = crate::events::subject_filter(Some(stream.as_str()), Some(group.as_str()), Some(member.as_str()));
-    let target = Target::member(stream, group, member);
+    let slot = state.sockets_per_member.take(format!("member {}/{}/{}", who.stream, who.group, who.member), limit)?;
+    let events_of =
+        crate::events::subject_filter(Some(who.stream.as_str()), Some(who.group.as_str()), Some(who.member.as_str()));
+    let target = Target::Member(who);
     let connections = state.connections.clone();
     Ok(upgrade.on_upgrade(move |socket| {
         let run: Runner = Box::new(move |endpoint, cancel| Box::pin(serve(instances, target, endpoint, cancel)));
@@ -179,7 +180,7 @@ pub async fn join_consumer(
     upgrade: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> Result<Response, ApiError> {
     let (upgrade, limits) = accept(upgrade, &headers, &state, options.max_attempts)?;
-    let current = state.consumers.subscribable(&stream, &consumer).await?;
+    let (who, current) = super::target::consumer_subscriber(&state, stream, consumer, subscriber).await?;
     let pull = super::consumers::pull_options(
         current.policy,
         options.priority,
@@ -189,11 +190,11 @@ pub async fn join_consumer(
     )?;
     let instances = state.runtime.clone();
     let events_of =
-        crate::events::subject_filter(Some(stream.as_str()), Some(consumer.as_str()), Some(subscriber.as_str()));
+        crate::events::subject_filter(Some(who.stream.as_str()), Some(who.group.as_str()), Some(who.member.as_str()));
     let limit = state.settings.ws_max_connections_per_member;
-    let slot = state.sockets_per_member.take(format!("subscriber {stream}/{consumer}/{subscriber}"), limit)?;
-    let target = Target::subscriber(stream, &consumer, subscriber, pull)
-        .ok_or_else(|| ApiError::BadRequest(format!("consumer name {consumer} cannot be subscribed to")))?;
+    let slot =
+        state.sockets_per_member.take(format!("subscriber {}/{}/{}", who.stream, who.group, who.member), limit)?;
+    let target = Target::Subscriber { who, options: pull };
     let connections = state.connections.clone();
     Ok(upgrade.on_upgrade(move |socket| {
         let run: Runner = Box::new(move |endpoint, cancel| Box::pin(serve(instances, target, endpoint, cancel)));
@@ -243,21 +244,6 @@ pub(super) fn max_attempts_of(requested: Option<u64>) -> Result<u64, ApiError> {
         return Err(ApiError::BadRequest("max_attempts must be between 1 and 1000".into()));
     }
     Ok(max_attempts)
-}
-
-/// 404 unless `member` is in the group's membership (a client joining as
-/// someone else would take no partitions, and hold an instance).
-pub(super) async fn check_member(
-    state: &AppState,
-    stream: &StreamName,
-    group: &GroupName,
-    member: &MemberName,
-) -> Result<(), ApiError> {
-    let stored = state.runtime.stores.groups.load(stream, group, None).await?;
-    if !stored.config.has_member(member.as_str()) {
-        return Err(ApiError::NotFound(format!("{member} is not a member of group {group}")));
-    }
-    Ok(())
 }
 
 /// Browsers send `Origin`; other clients do not. Keygate's own origin (the

@@ -199,6 +199,8 @@ pub struct Lanes<M> {
     /// Lanes whose head may go, oldest head first.
     ready: BTreeSet<(u64, LaneId)>,
     in_flight: usize,
+    /// Messages held (received, not yet dispatched) across all lanes.
+    held: usize,
     max_in_flight: usize,
     barrier: bool,
     /// NAK'd messages block their lane (ordered) or are forgotten (unordered).
@@ -219,6 +221,7 @@ impl<M> Lanes<M> {
             settlements: BTreeMap::new(),
             ready: BTreeSet::new(),
             in_flight: 0,
+            held: 0,
             max_in_flight: max_in_flight.max(1),
             barrier: false,
             ordered: true,
@@ -249,6 +252,9 @@ impl<M: Clone> Lanes<M> {
         }
         let returning = lane.awaiting.remove(&seq).is_some();
         let replaced = lane.held.insert(seq, message).is_some();
+        if !replaced {
+            self.held += 1;
+        }
         self.refresh(&id);
         if replaced && !returning {
             Offered::Duplicate
@@ -271,6 +277,7 @@ impl<M: Clone> Lanes<M> {
         let lane = self.lanes.get_mut(&id).expect("a listed lane exists");
         lane.listed = None;
         let message = lane.held.remove(&seq).expect("a listed head is held");
+        self.held -= 1;
         lane.in_flight = Some((seq, message.clone()));
         self.in_flight += 1;
         Some(Dispatched { lane: id, seq, message })
@@ -372,7 +379,7 @@ impl<M: Clone> Lanes<M> {
 
     /// Messages delivered to this instance and not yet settled: held plus in flight.
     pub fn holding(&self) -> usize {
-        self.lanes.values().map(|l| l.held.len()).sum::<usize>() + self.in_flight
+        self.held + self.in_flight
     }
 
     /// NAK'd messages this instance waits for.
@@ -426,6 +433,7 @@ impl<M: Clone> Lanes<M> {
             lane.blocked = None;
             lane.listed = None;
         }
+        self.held = 0;
         self.ready.clear();
         self.lanes.retain(|_, lane| !lane.is_empty());
         released
@@ -777,6 +785,7 @@ mod tests {
                 }
                 assert!(in_flight.len() <= max_in_flight, "seed {seed}: over max_in_flight");
                 assert_eq!(lanes.in_flight(), in_flight.len());
+                assert_eq!(lanes.holding(), lanes.held_messages().count() + in_flight.len(), "seed {seed}: held count");
             };
             let settle_done = |lanes: &mut Lanes<u64>, model: &mut Model, id: &LaneId, s: u64, how| {
                 lanes.settle(id, s, Settled::Done(how));

@@ -17,6 +17,6 @@ pub mod signing;
 pub mod store;
 
 pub use crate::delivery::verdict::{Backoff, MAX_RETRY_AFTER};
-pub use client::{Outbound, WebhookClient};
+pub use client::WebhookClient;
 pub use registration::*;
 pub use store::WebhookStore;

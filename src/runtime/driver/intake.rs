@@ -27,8 +27,13 @@ impl Driver {
         }
         let sizing = self.pull_sizing();
         let expiry = grid_expiry(self.pull_expiry(self.pin.is_pinned()), Instant::now());
+        // Only a subscriber's sizing looks at what it holds, which sending
+        // pulls does not change.
+        let holding = match sizing {
+            PullSizing::Subscriber { .. } => self.shared.lock().lanes.holding(),
+            PullSizing::Member { .. } => 0,
+        };
         loop {
-            let holding = self.shared.lock().lanes.holding();
             let Some(batch) = sizing.next_batch(self.pulls.len(), self.pulls.asked(), holding) else { return false };
             let request = self.pull_request(batch, expiry);
             let outbox = self.shared.ctx.broker.outbox.clone();
