@@ -67,20 +67,37 @@ impl Event {
     }
 }
 
+/// Why a request is not a CloudEvent keygate accepts (a 400 at the edge).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidEvent(String);
+
+impl From<String> for InvalidEvent {
+    fn from(why: String) -> Self {
+        Self(why)
+    }
+}
+
+impl From<&str> for InvalidEvent {
+    fn from(why: &str) -> Self {
+        Self(why.to_owned())
+    }
+}
+
 /// Percent-encodes an attribute value for a header.
 pub fn encode(value: &str) -> String {
     utf8_percent_encode(value, HEADER_UNSAFE).to_string()
 }
 
-fn decode(name: &str, value: &str) -> Result<String, String> {
+fn decode(name: &str, value: &str) -> Result<String, InvalidEvent> {
     percent_decode_str(value)
         .decode_utf8()
         .map(|v| v.into_owned())
-        .map_err(|_| format!("ce-{name} is not percent-encoded UTF-8"))
+        .map_err(|_| format!("ce-{name} is not percent-encoded UTF-8").into())
 }
 
 /// Reads a structured-mode event (a JSON object).
-pub fn parse_structured(body: &[u8]) -> Result<Event, String> {
+pub fn parse_structured(body: &[u8]) -> Result<Event, InvalidEvent> {
     let members: BTreeMap<String, Box<RawValue>> =
         serde_json::from_slice(body).map_err(|e| format!("the body is not a CloudEvents JSON object: {e}"))?;
     let mut attributes = BTreeMap::new();
@@ -125,26 +142,26 @@ pub fn parse_structured(body: &[u8]) -> Result<Event, String> {
 
 /// A structured-mode attribute's value as a string; `None` for `null`
 /// (an attribute left out).
-fn attribute_value(name: &str, raw: &str) -> Result<Option<String>, String> {
+fn attribute_value(name: &str, raw: &str) -> Result<Option<String>, InvalidEvent> {
     check_name(name)?;
     match serde_json::from_str::<Value>(raw).map_err(|e| e.to_string())? {
         Value::Null => Ok(None),
         Value::String(s) => Ok(Some(s)),
         Value::Bool(b) => Ok(Some(b.to_string())),
         Value::Number(n) if n.is_i64() => Ok(Some(n.to_string())),
-        _ => Err(format!("attribute {name} must be a string, an integer or a boolean")),
+        _ => Err(format!("attribute {name} must be a string, an integer or a boolean").into()),
     }
 }
 
 /// Reads a binary-mode event: attributes from `ce-*` headers, the body as data.
-pub fn parse_binary(headers: &HeaderMap, body: Vec<u8>) -> Result<Event, String> {
+pub fn parse_binary(headers: &HeaderMap, body: Vec<u8>) -> Result<Event, InvalidEvent> {
     let mut attributes = BTreeMap::new();
     for (name, value) in headers {
         let Some(attribute) = name.as_str().strip_prefix(HEADER_PREFIX) else { continue };
         check_name(attribute)?;
         let value = value.to_str().map_err(|_| format!("ce-{attribute} is not visible ASCII"))?;
         if attributes.insert(attribute.to_owned(), decode(attribute, value)?).is_some() {
-            return Err(format!("ce-{attribute} is given twice"));
+            return Err(format!("ce-{attribute} is given twice").into());
         }
     }
     let content_type = headers
@@ -177,29 +194,29 @@ fn is_json(content_type: &str) -> bool {
     media == "application/json" || media == "text/json" || media.ends_with("+json")
 }
 
-fn check_name(name: &str) -> Result<(), String> {
+fn check_name(name: &str) -> Result<(), InvalidEvent> {
     let valid = !name.is_empty()
         && name.len() <= MAX_ATTRIBUTE_NAME
         && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
     if valid {
         Ok(())
     } else {
-        Err(format!("{name:?} is not a CloudEvents attribute name (a-z and 0-9, at most {MAX_ATTRIBUTE_NAME})"))
+        Err(format!("{name:?} is not a CloudEvents attribute name (a-z and 0-9, at most {MAX_ATTRIBUTE_NAME})").into())
     }
 }
 
 /// The rules of CloudEvents 1.0 keygate enforces: the version, the required
 /// attributes, an RFC 3339 `time`, and bounds on what is stored.
-fn check(event: &Event) -> Result<(), String> {
+fn check(event: &Event) -> Result<(), InvalidEvent> {
     let attributes = &event.attributes;
     match attributes.get("specversion").map(String::as_str) {
         Some(SPEC_VERSION) => {}
-        Some(other) => return Err(format!("specversion {other:?} is not supported; send 1.0")),
+        Some(other) => return Err(format!("specversion {other:?} is not supported; send 1.0").into()),
         None => return Err("specversion is required".into()),
     }
     for required in ["id", "source", "type"] {
         if attributes.get(required).is_none_or(String::is_empty) {
-            return Err(format!("{required} is required and must not be empty"));
+            return Err(format!("{required} is required and must not be empty").into());
         }
     }
     if let Some(time) = attributes.get("time") {
@@ -207,10 +224,10 @@ fn check(event: &Event) -> Result<(), String> {
             .map_err(|_| format!("time {time:?} is not an RFC 3339 timestamp"))?;
     }
     if attributes.len() > MAX_ATTRIBUTES {
-        return Err(format!("an event may carry at most {MAX_ATTRIBUTES} attributes"));
+        return Err(format!("an event may carry at most {MAX_ATTRIBUTES} attributes").into());
     }
     if let Some((name, _)) = attributes.iter().find(|(_, v)| v.len() > MAX_ATTRIBUTE_VALUE) {
-        return Err(format!("attribute {name} is longer than {MAX_ATTRIBUTE_VALUE} bytes"));
+        return Err(format!("attribute {name} is longer than {MAX_ATTRIBUTE_VALUE} bytes").into());
     }
     if attributes.values().any(|v| v.contains(['\r', '\n', '\0'])) {
         return Err("attribute values may not hold line breaks or NUL".into());
@@ -255,7 +272,7 @@ pub fn binary_headers(delivery: &Delivery<'_>, present: &[(String, String)]) -> 
 }
 
 /// Checks a registration's `ce_type`.
-pub fn check_event_type(event_type: &str) -> Result<(), String> {
+pub fn check_event_type(event_type: &str) -> Result<(), InvalidEvent> {
     if event_type.is_empty() || event_type.len() > 256 || event_type.chars().any(char::is_control) {
         return Err("ce_type must be 1 to 256 characters without control characters".into());
     }
@@ -316,7 +333,7 @@ mod tests {
             (r#"[1]"#, "not a CloudEvents JSON object"),
         ] {
             let err = parse_structured(body.as_bytes()).unwrap_err();
-            assert!(err.contains(why), "{body}: {err}");
+            assert!(err.to_string().contains(why), "{body}: {err}");
         }
     }
 
@@ -339,7 +356,7 @@ mod tests {
         assert_eq!(stored["ce-id"], "e%201");
         assert_eq!(stored["ce-partitionkey"], "k%C3%A7");
         let missing = headers(&[("ce-specversion", "1.0"), ("ce-id", "1"), ("ce-source", "s")]);
-        assert!(parse_binary(&missing, Vec::new()).unwrap_err().contains("type is required"));
+        assert!(parse_binary(&missing, Vec::new()).unwrap_err().to_string().contains("type is required"));
     }
 
     #[test]

@@ -10,6 +10,18 @@ pub mod pull;
 pub mod verdict;
 pub mod websocket;
 
+/// A client's verdict that names no delivery waiting for one.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SettleError {
+    /// No message of this id waits for a verdict on this WebSocket connection.
+    #[error("no message {0} is waiting for a verdict")]
+    NotWaiting(String),
+    /// No pull delivery of this ack id waits: settled, or its visibility
+    /// timeout ran out.
+    #[error("no delivery {0} waits for a verdict (settled, or its visibility timeout ran out)")]
+    NotHandedOut(String),
+}
+
 /// A value fit for an HTTP header: visible ASCII kept, everything else
 /// (including `%`) percent-escaped as UTF-8.
 pub fn header_safe(value: &str) -> String {

@@ -6,6 +6,7 @@
 //! WebSocket: a fetch only hands out what the lanes already released, so
 //! one key (or partition) never has two messages out at once.
 
+use super::SettleError;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
@@ -198,10 +199,9 @@ impl PullEndpoint {
 
     /// Applies a client's verdict to the delivery its ack id names; a
     /// `progress` starts that delivery's visibility timeout again.
-    pub fn settle(&self, frame: ClientFrame) -> Result<(), String> {
+    pub fn settle(&self, frame: ClientFrame) -> Result<(), SettleError> {
         let ack_id = frame.id().to_owned();
-        let unknown =
-            || format!("no delivery {ack_id} waits for a verdict (settled, or its visibility timeout ran out)");
+        let unknown = || SettleError::NotHandedOut(ack_id.clone());
         let mut outbox = self.outbox();
         let handed_out = outbox.entries.get(&ack_id).is_some_and(|entry| entry.frame.is_none());
         if !handed_out {

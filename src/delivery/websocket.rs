@@ -1,6 +1,7 @@
 //! A WebSocket connection as a member's endpoint: the deliveries waiting
 //! for the client's verdict (the frames are in `frames.rs`).
 
+use super::SettleError;
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -82,7 +83,7 @@ impl SocketEndpoint {
     }
 
     /// Applies a client frame to the delivery it names.
-    pub async fn settle(&self, frame: ClientFrame) -> Result<(), String> {
+    pub async fn settle(&self, frame: ClientFrame) -> Result<(), SettleError> {
         let id = frame.id().to_owned();
         if let ClientFrame::Progress { .. } = frame {
             let message = self.awaiting().get(&id).map(|a| a.message.clone());
@@ -91,7 +92,7 @@ impl SocketEndpoint {
                     let _ = message.message.ack_with(AckKind::Progress).await;
                     Ok(())
                 }
-                None => Err(format!("no message {id} is waiting for a verdict")),
+                None => Err(SettleError::NotWaiting(id)),
             };
         }
         match self.awaiting().remove(&id) {
@@ -99,7 +100,7 @@ impl SocketEndpoint {
                 let _ = awaiting.verdict.send(frame);
                 Ok(())
             }
-            None => Err(format!("no message {id} is waiting for a verdict")),
+            None => Err(SettleError::NotWaiting(id)),
         }
     }
 

@@ -188,13 +188,24 @@ impl GroupAdmin {
     }
 }
 
+/// Why a stored configuration cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum StoredConfigError {
+    /// Not the JSON pcgroups writes.
+    #[error("{0}")]
+    Json(#[from] serde_json::Error),
+    /// Well-formed, but its membership does not cover the partitions as it must.
+    #[error("{0}")]
+    Membership(#[from] super::config::ConfigError),
+}
+
 /// Parses and validates a stored configuration.
-pub fn parse_stored(kind: GroupKind, raw: &[u8]) -> Result<GroupConfig, String> {
+pub fn parse_stored(kind: GroupKind, raw: &[u8]) -> Result<GroupConfig, StoredConfigError> {
     let config = match kind {
-        GroupKind::Static => GroupConfig::Static(serde_json::from_slice(raw).map_err(|e| e.to_string())?),
-        GroupKind::Elastic => GroupConfig::Elastic(serde_json::from_slice(raw).map_err(|e| e.to_string())?),
+        GroupKind::Static => GroupConfig::Static(serde_json::from_slice(raw)?),
+        GroupKind::Elastic => GroupConfig::Elastic(serde_json::from_slice(raw)?),
     };
-    validate_membership(config.partitions(), config.members(), config.mappings()).map_err(|e| e.to_string())?;
+    validate_membership(config.partitions(), config.members(), config.mappings())?;
     Ok(config)
 }
 

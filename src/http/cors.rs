@@ -35,20 +35,25 @@ const ALLOWED_HEADERS: [&str; 14] = [
 const EXPOSED_HEADERS: [HeaderName; 3] =
     [HeaderName::from_static("x-request-id"), header::RETRY_AFTER, header::WWW_AUTHENTICATE];
 
+/// A `--cors-allowed-origins` entry that is not an origin.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?} is not an origin like https://app.example.com (no path, no trailing slash)")]
+pub struct NotAnOrigin(String);
+
 /// Checks one `--cors-allowed-origins` entry: `*`, or an origin as a browser
 /// sends it (`scheme://host[:port]`, no path), kept in lower case.
-pub fn parse_origin(text: &str) -> Result<String, String> {
+pub fn parse_origin(text: &str) -> Result<String, NotAnOrigin> {
     let origin = text.trim().to_ascii_lowercase();
     if origin == "*" {
         return Ok(origin);
     }
     let Some((scheme, authority)) = origin.split_once("://") else {
-        return Err(format!("{text:?} is not an origin like https://app.example.com"));
+        return Err(NotAnOrigin(text.to_owned()));
     };
     let valid_authority = !authority.is_empty()
         && authority.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | ':' | '[' | ']'));
     if !matches!(scheme, "http" | "https") || !valid_authority {
-        return Err(format!("{text:?} is not an origin like https://app.example.com (no path, no trailing slash)"));
+        return Err(NotAnOrigin(text.to_owned()));
     }
     Ok(origin)
 }

@@ -313,7 +313,7 @@ async fn serve_connection(
                 match received {
                     Some(Ok(Message::Text(text))) => {
                         let answer = match serde_json::from_str::<ClientFrame>(text.as_str()) {
-                            Ok(frame) => Box::pin(endpoint.settle(frame)).await.err().map(|e| (e, None)),
+                            Ok(frame) => Box::pin(endpoint.settle(frame)).await.err().map(|e| (e.to_string(), None)),
                             Err(e) => Some((format!("unreadable frame: {e}"), None)),
                         };
                         if let Some((error, id)) = answer {

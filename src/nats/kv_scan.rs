@@ -52,7 +52,7 @@ pub async fn live_entries(
         for chunk in subjects.chunks(SUBJECTS_PER_READ) {
             let mut wanted = chunk.to_vec();
             loop {
-                let batch = last_values(js, store, &wanted).await.map_err(Error::Unavailable)?;
+                let batch = last_values(js, store, &wanted).await.map_err(|e| Error::Unavailable(e.to_string()))?;
                 let answered = batch.last.len();
                 wanted.retain(|subject| !batch.last.contains_key(subject_key(store, subject)));
                 last.extend(batch.last);
@@ -99,23 +99,43 @@ fn subject_key<'a>(store: &kv::Store, subject: &'a str) -> &'a str {
     subject.strip_prefix(store.prefix.as_str()).unwrap_or(subject)
 }
 
+/// Why one batched read could not tell the keys' last values.
+#[derive(Debug, thiserror::Error)]
+enum BatchReadError {
+    #[error("listing keys: {0}")]
+    Subscribe(#[source] async_nats::SubscribeError),
+    #[error("listing keys: {0}")]
+    Publish(#[source] async_nats::PublishError),
+    /// The server refused: over 1,024 subjects match (413).
+    #[error("listing keys: more subjects than one batched read may name")]
+    TooManySubjects,
+    #[error("listing keys: {0}")]
+    Malformed(&'static str),
+    #[error("listing keys: no answer in time")]
+    TimedOut,
+}
+
 /// One batched direct get of the last message of every subject matching
 /// `subjects` (patterns or names). An error says why the read could not
 /// tell, including the server's refusal of over 1,024 matching subjects.
-async fn last_values(js: &jetstream::Context, store: &kv::Store, subjects: &[String]) -> Result<Batch, String> {
+async fn last_values(js: &jetstream::Context, store: &kv::Store, subjects: &[String]) -> Result<Batch, BatchReadError> {
     let client = js.client();
     let inbox = client.new_inbox();
-    let mut answers = client.subscribe(inbox.clone()).await.map_err(|e| format!("listing keys: {e}"))?;
+    let mut answers = client.subscribe(inbox.clone()).await.map_err(BatchReadError::Subscribe)?;
     let request = serde_json::to_vec(&serde_json::json!({ "multi_last": subjects })).unwrap_or_default();
     let subject = format!("$JS.API.DIRECT.GET.{}", store.stream_name);
-    client.publish_with_reply(subject, inbox, request.into()).await.map_err(|e| format!("listing keys: {e}"))?;
+    client.publish_with_reply(subject, inbox, request.into()).await.map_err(BatchReadError::Publish)?;
     let read = async {
         let mut last = HashMap::new();
         while let Some(answer) = answers.next().await {
             match answer.status.map(|s| s.as_u16()) {
                 None | Some(200) => {
-                    let headers = answer.headers.as_ref().ok_or("an answer without headers")?;
-                    let subject = headers.get("Nats-Subject").ok_or("an answer without its subject")?.as_str();
+                    let headers =
+                        answer.headers.as_ref().ok_or(BatchReadError::Malformed("an answer without headers"))?;
+                    let subject = headers
+                        .get("Nats-Subject")
+                        .ok_or(BatchReadError::Malformed("an answer without its subject"))?
+                        .as_str();
                     let deleted = headers.get("KV-Operation").is_some_and(|op| matches!(op.as_str(), "DEL" | "PURGE"))
                         || headers.get("Nats-Marker-Reason").is_some();
                     let value = (!deleted).then(|| answer.payload.clone());
@@ -129,15 +149,11 @@ async fn last_values(js: &jetstream::Context, store: &kv::Store, subjects: &[Str
                 }
                 // Nothing matches.
                 Some(404) => return Ok(Batch { last, complete: true }),
-                Some(413) => return Err("more subjects than one batched read may name"),
-                Some(_) => return Err("an unexpected answer"),
+                Some(413) => return Err(BatchReadError::TooManySubjects),
+                Some(_) => return Err(BatchReadError::Malformed("an unexpected answer")),
             }
         }
-        Err("the answers ended early")
+        Err(BatchReadError::Malformed("the answers ended early"))
     };
-    match tokio::time::timeout(BATCH_READ_WAIT, read).await {
-        Ok(Ok(batch)) => Ok(batch),
-        Ok(Err(why)) => Err(format!("listing keys: {why}")),
-        Err(_) => Err("listing keys: no answer in time".into()),
-    }
+    tokio::time::timeout(BATCH_READ_WAIT, read).await.unwrap_or(Err(BatchReadError::TimedOut))
 }

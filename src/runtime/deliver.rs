@@ -33,10 +33,22 @@ pub enum Because<'a> {
     SettledBefore(Settlement),
 }
 
+/// Why a message could not be removed from its consumer.
+#[derive(Debug, thiserror::Error)]
+pub enum RemoveError {
+    /// The reason given does not hold (no ack verdict, no stored dead
+    /// letter): nothing was sent, and the message will be redelivered.
+    #[error("no verdict")]
+    NoVerdict,
+    /// The ack or term could not be sent.
+    #[error("sending the ack: {0}")]
+    Ack(#[source] async_nats::Error),
+}
+
 /// Acks or terminates `held` for the reason given; refuses (sends nothing,
 /// counts `keygate_acks_without_verdict_total`) when the reason does not
 /// hold, so the message is redelivered rather than lost.
-pub async fn remove(held: &Delivered, because: Because<'_>) -> Result<Settlement, String> {
+pub async fn remove(held: &Delivered, because: Because<'_>) -> Result<Settlement, RemoveError> {
     let how = match because {
         Because::EndpointAcked(judgement) if judgement.verdict == Verdict::Ack => Settlement::Acked,
         Because::DeadLettered(stored) if !stored.id.is_empty() => Settlement::Terminated,
@@ -47,14 +59,14 @@ pub async fn remove(held: &Delivered, because: Because<'_>) -> Result<Settlement
                 seq = held.stream_seq,
                 "refused to remove a message without a verdict; it will be redelivered"
             );
-            return Err("no verdict".into());
+            return Err(RemoveError::NoVerdict);
         }
     };
     let kind = match how {
         Settlement::Acked => AckKind::Ack,
         Settlement::Terminated => AckKind::Term,
     };
-    held.message.ack_with(kind).await.map_err(|e| e.to_string())?;
+    held.message.ack_with(kind).await.map_err(RemoveError::Ack)?;
     Ok(how)
 }
 

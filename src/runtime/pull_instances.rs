@@ -265,7 +265,7 @@ impl PullInstances {
             .into_iter()
             .filter_map(|frame| {
                 let id = frame.id().to_owned();
-                instance.endpoint.settle(frame).err().map(|error| SettleFailure { id, error })
+                instance.endpoint.settle(frame).err().map(|e| SettleFailure { id, error: e.to_string() })
             })
             .collect()
     }

@@ -158,7 +158,7 @@ impl OutboundAuth {
                 if spec.client_id.is_empty() || spec.client_id.len() > 256 {
                     return Err(Error::Invalid("client_id must be 1 to 256 characters".into()));
                 }
-                policy.check_url(&spec.token_url).await.map(|_| ()).map_err(refuse)
+                policy.check_url(&spec.token_url).await.map(|_| ()).map_err(|e| refuse(e.to_string()))
             }
             Self::Mtls(spec) => {
                 for file in [Some(&spec.cert_file), Some(&spec.key_file), spec.ca_file.as_ref()].into_iter().flatten() {

@@ -112,15 +112,16 @@ impl DestinationPolicy {
     }
 
     /// Checks a webhook URL: scheme, host, and every address it resolves to.
-    pub async fn check_url(&self, url: &str) -> Result<reqwest::Url, String> {
-        let parsed = reqwest::Url::parse(url).map_err(|e| format!("{url:?} is not a valid URL: {e}"))?;
+    pub async fn check_url(&self, url: &str) -> Result<reqwest::Url, DestinationError> {
+        let parsed =
+            reqwest::Url::parse(url).map_err(|source| DestinationError::InvalidUrl { url: url.to_owned(), source })?;
         if !matches!(parsed.scheme(), "http" | "https") {
-            return Err(format!("webhook URLs must be http or https, not {}", parsed.scheme()));
+            return Err(DestinationError::Scheme(parsed.scheme().to_owned()));
         }
         if !parsed.username().is_empty() || parsed.password().is_some() {
-            return Err("webhook URLs must not carry credentials; use the signing secret".into());
+            return Err(DestinationError::Credentials);
         }
-        let host = parsed.host_str().ok_or_else(|| format!("{url:?} has no host"))?.to_owned();
+        let host = parsed.host_str().ok_or_else(|| DestinationError::NoHost(url.to_owned()))?.to_owned();
         if self.host_listed(&host) {
             return Ok(parsed);
         }
@@ -130,19 +131,39 @@ impl DestinationPolicy {
             Ok(ip) => vec![SocketAddr::new(ip, port)],
             Err(_) => tokio::net::lookup_host((bare, port))
                 .await
-                .map_err(|e| format!("cannot resolve {host}: {e}"))?
+                .map_err(|source| DestinationError::Unresolvable { host: host.clone(), source })?
                 .collect(),
         };
         if addresses.is_empty() {
-            return Err(format!("{host} resolves to no address"));
+            return Err(DestinationError::NoAddress(host));
         }
         for address in &addresses {
             if let Some(why) = self.refuse_address(address.ip()) {
-                return Err(format!("destination {host} not allowed: {why}"));
+                return Err(DestinationError::NotAllowed { host, why });
             }
         }
         Ok(parsed)
     }
+}
+
+/// Why a webhook URL may not be called.
+#[derive(Debug, thiserror::Error)]
+pub enum DestinationError {
+    #[error("{url:?} is not a valid URL: {source}")]
+    InvalidUrl { url: String, source: <reqwest::Url as std::str::FromStr>::Err },
+    #[error("webhook URLs must be http or https, not {0}")]
+    Scheme(String),
+    #[error("webhook URLs must not carry credentials; use the signing secret")]
+    Credentials,
+    #[error("{0:?} has no host")]
+    NoHost(String),
+    #[error("cannot resolve {host}: {source}")]
+    Unresolvable { host: String, source: std::io::Error },
+    #[error("{0} resolves to no address")]
+    NoAddress(String),
+    /// The policy refuses one of the addresses the host resolves to.
+    #[error("destination {host} not allowed: {why}")]
+    NotAllowed { host: String, why: String },
 }
 
 /// How every webhook client is built: no redirects, no proxy, bounded
@@ -223,8 +244,12 @@ mod tests {
         assert!(policy.check_url("http://127.0.0.1:9000/hook").await.is_ok());
         assert!(policy.check_url("http://localhost:9000/hook").await.is_ok());
         let refused = policy.check_url("http://169.254.169.254/latest/meta-data").await.unwrap_err();
-        assert!(refused.contains("private-network"), "{refused}");
-        assert!(policy.check_url("http://8.8.8.8/").await.unwrap_err().contains("public"));
+        assert!(
+            matches!(&refused, DestinationError::NotAllowed { host, .. } if host == "169.254.169.254"),
+            "{refused}"
+        );
+        assert!(refused.to_string().contains("private-network"), "{refused}");
+        assert!(policy.check_url("http://8.8.8.8/").await.unwrap_err().to_string().contains("public"));
         assert!(policy.check_url("ftp://127.0.0.1/").await.is_err());
         assert!(policy.check_url("http://user:pw@127.0.0.1/").await.is_err());
         let open = DestinationPolicy { allow_private: true, ..Default::default() };

@@ -55,7 +55,7 @@ impl WebhookStore {
         spec: WebhookSpec,
         subscriber: Option<SubscriberOptions>,
     ) -> Result<(bool, Registration, Option<String>), Error> {
-        let url = self.policy.check_url(&spec.url).await.map_err(Error::Unprocessable)?;
+        let url = self.policy.check_url(&spec.url).await.map_err(|e| Error::Unprocessable(e.to_string()))?;
         let timeout_ms = spec.timeout_ms.unwrap_or(10_000);
         if !(1..=300_000).contains(&timeout_ms) {
             return Err(Error::Invalid("timeout_ms must be between 1 and 300000".into()));
@@ -87,7 +87,7 @@ impl WebhookStore {
             if format != DeliveryFormat::Cloudevents {
                 return Err(Error::Invalid("ce_type goes with \"format\": \"cloudevents\"".into()));
             }
-            crate::cloudevents::check_event_type(event_type).map_err(Error::Invalid)?;
+            crate::cloudevents::check_event_type(event_type).map_err(|e| Error::Invalid(e.to_string()))?;
         }
         let store = self.bucket().await?;
         let existing = self.read(&store, key).await?;

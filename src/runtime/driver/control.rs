@@ -75,7 +75,7 @@ impl Driver {
     async fn skip(&mut self, partition: u32, key: Option<&str>) -> ControlReply {
         let lane = match self.blocked_lane(partition, key) {
             Ok(lane) => lane,
-            Err(why) => return self.refused(why),
+            Err(why) => return self.refused(why.to_string()),
         };
         let head = self.shared.lock().lanes.blocked_head(&lane);
         let Some((seq, held)) = head else {
@@ -103,7 +103,7 @@ impl Driver {
     async fn retry_now(&mut self, partition: u32, key: Option<&str>) -> ControlReply {
         let lane = match self.blocked_lane(partition, key) {
             Ok(lane) => lane,
-            Err(why) => return self.refused(why),
+            Err(why) => return self.refused(why.to_string()),
         };
         let head = self.shared.lock().lanes.blocked_head(&lane);
         let Some((_, held)) = head else {
@@ -117,7 +117,7 @@ impl Driver {
 
     /// The blocked lane an operator means: the named key of the partition,
     /// or, with none named, the partition's only blocked lane.
-    fn blocked_lane(&self, partition: u32, key: Option<&str>) -> Result<LaneId, String> {
+    fn blocked_lane(&self, partition: u32, key: Option<&str>) -> Result<LaneId, NotBlocked> {
         let state = self.shared.lock();
         let of_partition: Vec<LaneId> = state
             .lanes
@@ -130,20 +130,31 @@ impl Driver {
     }
 }
 
+/// Why a skip or retry-now names no blocked lane.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(super) enum NotBlocked {
+    #[error("key {key:?} of partition {partition} is not blocked")]
+    Key { partition: u32, key: String },
+    #[error("partition {0} is not blocked")]
+    Partition(u32),
+    #[error(
+        "partition {partition} has {blocked} blocked keys; name one (…/partitions/{partition}/keys/{{key}}/skip, \
+         or a body {{\"key\": …}})"
+    )]
+    Ambiguous { partition: u32, blocked: usize },
+}
+
 /// Which of a partition's blocked lanes a skip or retry-now names (pure).
-fn pick_lane(partition: u32, key: Option<&str>, mut blocked: Vec<LaneId>) -> Result<LaneId, String> {
+fn pick_lane(partition: u32, key: Option<&str>, mut blocked: Vec<LaneId>) -> Result<LaneId, NotBlocked> {
     match key {
         Some(key) => blocked
             .into_iter()
             .find(|lane| lane.key.key() == Some(key))
-            .ok_or_else(|| format!("key {key:?} of partition {partition} is not blocked")),
+            .ok_or_else(|| NotBlocked::Key { partition, key: key.to_owned() }),
         None => match blocked.len() {
-            0 => Err(format!("partition {partition} is not blocked")),
+            0 => Err(NotBlocked::Partition(partition)),
             1 => Ok(blocked.remove(0)),
-            n => Err(format!(
-                "partition {partition} has {n} blocked keys; name one (…/partitions/{partition}/keys/{{key}}/skip, \
-                 or a body {{\"key\": …}})"
-            )),
+            n => Err(NotBlocked::Ambiguous { partition, blocked: n }),
         },
     }
 }
@@ -186,8 +197,12 @@ mod tests {
         assert_eq!(pick_lane(3, None, vec![LaneId::partition(3)]), Ok(LaneId::partition(3)));
         assert_eq!(pick_lane(3, Some("a"), vec![key(3, "a"), key(3, "b")]), Ok(key(3, "a")));
         assert_eq!(pick_lane(3, None, vec![key(3, "b")]), Ok(key(3, "b")));
-        assert!(pick_lane(3, None, vec![key(3, "a"), key(3, "b")]).unwrap_err().contains("2 blocked keys"));
-        assert!(pick_lane(3, Some("c"), vec![key(3, "a")]).unwrap_err().contains("not blocked"));
-        assert!(pick_lane(3, None, vec![]).unwrap_err().contains("partition 3 is not blocked"));
+        assert_eq!(
+            pick_lane(3, None, vec![key(3, "a"), key(3, "b")]),
+            Err(NotBlocked::Ambiguous { partition: 3, blocked: 2 })
+        );
+        assert!(pick_lane(3, None, vec![key(3, "a"), key(3, "b")]).unwrap_err().to_string().contains("2 blocked keys"));
+        assert_eq!(pick_lane(3, Some("c"), vec![key(3, "a")]), Err(NotBlocked::Key { partition: 3, key: "c".into() }));
+        assert_eq!(pick_lane(3, None, vec![]).unwrap_err().to_string(), "partition 3 is not blocked");
     }
 }
