@@ -117,30 +117,61 @@ pub fn check_headers(headers: &BTreeMap<String, String>) -> Result<(), Error> {
     Ok(())
 }
 
+/// Why a webhook's outbound credentials cannot be had. Never names a
+/// secret: only files, variable names and what the token endpoint did.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CredentialError {
+    #[error(
+        "credential files need keygate started with --webhook-credentials-dir (the only place it reads them from)"
+    )]
+    NoCredentialsDir,
+    #[error("the credentials directory is not readable: {0}")]
+    UnreadableDir(String),
+    #[error("{0} cannot be read")]
+    Unreadable(String),
+    #[error("{0} is not a file in the credentials directory")]
+    OutsideDir(String),
+    #[error("{0} is empty")]
+    Empty(String),
+    #[error("environment variable names must be WEBHOOK_AUTH_<A-Z0-9_>; {0:?} is not")]
+    EnvName(String),
+    #[error("the environment variable {0} is not set on this keygate")]
+    EnvUnset(String),
+    /// The token endpoint did not answer (the error without its URL).
+    #[error("the token endpoint did not answer: {0}")]
+    TokenUnanswered(String),
+    #[error("the token endpoint answered {0}")]
+    TokenRefused(reqwest::StatusCode),
+    #[error("the token endpoint's answer has no access_token")]
+    NoAccessToken,
+    #[error("{0} is not valid PEM")]
+    InvalidPem(&'static str),
+    #[error("the TLS client could not be built: {0}")]
+    TlsClient(String),
+}
+
 /// A file a registration names, inside the credentials directory.
-fn credential_file(policy: &DestinationPolicy, path: &str) -> Result<PathBuf, String> {
-    let dir = policy.credentials_dir.as_ref().ok_or(
-        "credential files need keygate started with --webhook-credentials-dir (the only place it reads them from)",
-    )?;
-    let dir = dir.canonicalize().map_err(|e| format!("the credentials directory is not readable: {e}"))?;
+fn credential_file(policy: &DestinationPolicy, path: &str) -> Result<PathBuf, CredentialError> {
+    let dir = policy.credentials_dir.as_ref().ok_or(CredentialError::NoCredentialsDir)?;
+    let dir = dir.canonicalize().map_err(|e| CredentialError::UnreadableDir(e.to_string()))?;
     let path = Path::new(path);
     let full = if path.is_absolute() { path.to_path_buf() } else { dir.join(path) };
     // Resolved, so neither `..` nor a symbolic link leads out of it.
-    let resolved = full.canonicalize().map_err(|_| format!("{} cannot be read", path.display()))?;
+    let resolved = full.canonicalize().map_err(|_| CredentialError::Unreadable(path.display().to_string()))?;
     if !resolved.starts_with(&dir) || !resolved.is_file() {
-        return Err(format!("{} is not a file in the credentials directory", path.display()));
+        return Err(CredentialError::OutsideDir(path.display().to_string()));
     }
     Ok(resolved)
 }
 
-fn check_env_name(name: &str) -> Result<(), String> {
+fn check_env_name(name: &str) -> Result<(), CredentialError> {
     let shaped = name.len() > ENV_PREFIX.len()
         && name.starts_with(ENV_PREFIX)
         && name.bytes().all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_');
     if shaped {
         Ok(())
     } else {
-        Err(format!("environment variable names must be {ENV_PREFIX}<A-Z0-9_>; {name:?} is not"))
+        Err(CredentialError::EnvName(name.to_owned()))
     }
 }
 
@@ -150,11 +181,12 @@ impl OutboundAuth {
     /// destination policy allows. Secrets themselves are not read here.
     pub async fn check(&self, policy: &DestinationPolicy) -> Result<(), Error> {
         let refuse = |m: String| Error::Unprocessable(m);
+        let invalid = |e: CredentialError| Error::Invalid(e.to_string());
         match self {
-            Self::BearerFile(path) => credential_file(policy, path).map(|_| ()).map_err(refuse),
-            Self::BearerEnv(name) => check_env_name(name).map_err(Error::Invalid),
+            Self::BearerFile(path) => credential_file(policy, path).map(|_| ()).map_err(|e| refuse(e.to_string())),
+            Self::BearerEnv(name) => check_env_name(name).map_err(invalid),
             Self::Oauth2(spec) => {
-                check_env_name(&spec.client_secret_env).map_err(Error::Invalid)?;
+                check_env_name(&spec.client_secret_env).map_err(invalid)?;
                 if spec.client_id.is_empty() || spec.client_id.len() > 256 {
                     return Err(Error::Invalid("client_id must be 1 to 256 characters".into()));
                 }
@@ -162,7 +194,7 @@ impl OutboundAuth {
             }
             Self::Mtls(spec) => {
                 for file in [Some(&spec.cert_file), Some(&spec.key_file), spec.ca_file.as_ref()].into_iter().flatten() {
-                    credential_file(policy, file).map_err(refuse)?;
+                    credential_file(policy, file).map_err(|e| refuse(e.to_string()))?;
                 }
                 Ok(())
             }
@@ -199,7 +231,7 @@ pub enum Credentials {
     /// A client of its own, presenting the certificate.
     Mtls(reqwest::Client),
     /// The credentials could not be loaded: every delivery fails with this.
-    Broken(String),
+    Broken(CredentialError),
 }
 
 impl std::fmt::Debug for Credentials {
@@ -245,26 +277,27 @@ impl Credentials {
 
     /// The `Authorization` header value, if any; `Err` says why the
     /// credentials cannot be had (the delivery fails and is retried).
-    pub async fn authorization(&self) -> Result<Option<String>, String> {
+    pub async fn authorization(&self) -> Result<Option<String>, CredentialError> {
         match self {
             Self::None | Self::Mtls(_) => Ok(None),
             Self::Broken(why) => Err(why.clone()),
             Self::BearerEnv(name) => match std::env::var(name) {
                 Ok(token) if !token.trim().is_empty() => Ok(Some(format!("Bearer {}", token.trim()))),
-                _ => Err(format!("the environment variable {name} is not set on this keygate")),
+                _ => Err(CredentialError::EnvUnset(name.clone())),
             },
             Self::BearerFile { path, policy, cache } => {
                 let file = credential_file(policy, path)?;
-                let meta = std::fs::metadata(&file).map_err(|_| format!("{path} cannot be read"))?;
+                let meta = std::fs::metadata(&file).map_err(|_| CredentialError::Unreadable(path.clone()))?;
                 let stamp = (meta.modified().unwrap_or(SystemTime::UNIX_EPOCH), meta.len());
                 let mut cache = cache.lock().unwrap_or_else(|p| p.into_inner());
                 match &cache.read {
                     Some((modified, len, token)) if (*modified, *len) == stamp => Ok(Some(format!("Bearer {token}"))),
                     _ => {
-                        let token = std::fs::read_to_string(&file).map_err(|_| format!("{path} cannot be read"))?;
+                        let token =
+                            std::fs::read_to_string(&file).map_err(|_| CredentialError::Unreadable(path.clone()))?;
                         let token = token.trim().to_owned();
                         if token.is_empty() {
-                            return Err(format!("{path} is empty"));
+                            return Err(CredentialError::Empty(path.clone()));
                         }
                         cache.read = Some((stamp.0, stamp.1, token.clone()));
                         Ok(Some(format!("Bearer {token}")))
@@ -295,9 +328,9 @@ impl Credentials {
 }
 
 /// A token by the client-credentials grant, and how long it lives.
-async fn fetch_token(spec: &OAuth2Spec, http: &reqwest::Client) -> Result<(String, Duration), String> {
+async fn fetch_token(spec: &OAuth2Spec, http: &reqwest::Client) -> Result<(String, Duration), CredentialError> {
     let secret = std::env::var(&spec.client_secret_env)
-        .map_err(|_| format!("the environment variable {} is not set on this keygate", spec.client_secret_env))?;
+        .map_err(|_| CredentialError::EnvUnset(spec.client_secret_env.clone()))?;
     let mut form = vec![("grant_type", "client_credentials"), ("client_id", spec.client_id.as_str())];
     form.push(("client_secret", secret.as_str()));
     if let Some(scope) = &spec.scope {
@@ -310,41 +343,40 @@ async fn fetch_token(spec: &OAuth2Spec, http: &reqwest::Client) -> Result<(Strin
         .send()
         .await
         // Without the URL: its query may carry credentials.
-        .map_err(|e| format!("the token endpoint did not answer: {}", e.without_url()))?;
+        .map_err(|e| CredentialError::TokenUnanswered(e.without_url().to_string()))?;
     let status = response.status();
-    let body = response.bytes().await.map_err(|e| format!("reading the token answer: {}", e.without_url()))?;
+    let body = response.bytes().await.map_err(|e| CredentialError::TokenUnanswered(e.without_url().to_string()))?;
     if !status.is_success() {
-        return Err(format!("the token endpoint answered {status}"));
+        return Err(CredentialError::TokenRefused(status));
     }
     #[derive(Deserialize)]
     struct TokenAnswer {
         access_token: String,
         expires_in: Option<u64>,
     }
-    let answer: TokenAnswer =
-        serde_json::from_slice(&body).map_err(|_| "the token endpoint's answer has no access_token".to_owned())?;
+    let answer: TokenAnswer = serde_json::from_slice(&body).map_err(|_| CredentialError::NoAccessToken)?;
     // Without expires_in (it is optional), refresh every five minutes.
     Ok((answer.access_token, Duration::from_secs(answer.expires_in.unwrap_or(300))))
 }
 
 /// A client presenting the certificate, with the shared client's limits.
-fn mtls_client(spec: &MtlsSpec, policy: &Arc<DestinationPolicy>) -> Result<reqwest::Client, String> {
-    let read = |path: &str| -> Result<Vec<u8>, String> {
+fn mtls_client(spec: &MtlsSpec, policy: &Arc<DestinationPolicy>) -> Result<reqwest::Client, CredentialError> {
+    let read = |path: &str| -> Result<Vec<u8>, CredentialError> {
         let file = credential_file(policy, path)?;
-        std::fs::read(file).map_err(|_| format!("{path} cannot be read"))
+        std::fs::read(file).map_err(|_| CredentialError::Unreadable(path.to_owned()))
     };
     let mut pem = read(&spec.cert_file)?;
     pem.push(b'\n');
     pem.extend(read(&spec.key_file)?);
     let identity =
-        reqwest::Identity::from_pem(&pem).map_err(|_| "the client certificate or key is not valid PEM".to_owned())?;
+        reqwest::Identity::from_pem(&pem).map_err(|_| CredentialError::InvalidPem("the client certificate or key"))?;
     let mut builder = super::destination::client_builder(policy).identity(identity);
     if let Some(ca) = &spec.ca_file {
-        let roots =
-            reqwest::Certificate::from_pem_bundle(&read(ca)?).map_err(|_| "the CA file is not valid PEM".to_owned())?;
+        let roots = reqwest::Certificate::from_pem_bundle(&read(ca)?)
+            .map_err(|_| CredentialError::InvalidPem("the CA file"))?;
         builder = builder.tls_certs_only(roots);
     }
-    builder.build().map_err(|e| format!("the TLS client could not be built: {e}"))
+    builder.build().map_err(|e| CredentialError::TlsClient(e.to_string()))
 }
 
 #[cfg(test)]
