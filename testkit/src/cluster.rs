@@ -40,7 +40,19 @@ impl NatsCluster {
             cluster.spawn(i);
         }
         for i in 0..cluster.nodes.len() {
-            cluster.wait_accepting(i);
+            // A port taken between choosing it and binding it stops the node
+            // at once; at start (nobody knows its ports yet) it gets new ones.
+            for _ in 0..5 {
+                if cluster.wait_accepting(i) {
+                    break;
+                }
+                cluster.kill(i);
+                cluster.nodes[i].port = free_port();
+                cluster.nodes[i].cluster_port = free_port();
+                cluster.nodes[i].monitor_port = free_port();
+                cluster.spawn(i);
+            }
+            cluster.assert_accepting(i);
         }
         cluster.wait_jetstream().await;
         cluster
@@ -64,21 +76,37 @@ impl NatsCluster {
             .arg("-sd")
             .arg(node.store.path())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(std::fs::File::create(node.log_path()).expect("creating the node's log"))
             .spawn()
             .expect("starting nats-server");
         node.child = Some(child);
     }
 
-    fn wait_accepting(&self, i: usize) {
-        let deadline = Instant::now() + Duration::from_secs(10);
+    /// Whether node `i` accepts connections within 30 s; false as soon as its
+    /// process has exited.
+    fn wait_accepting(&mut self, i: usize) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
             if std::net::TcpStream::connect(("127.0.0.1", self.nodes[i].port)).is_ok() {
-                return;
+                return true;
+            }
+            let exited = self.nodes[i].child.as_mut().is_none_or(|c| c.try_wait().ok().flatten().is_some());
+            if exited {
+                return false;
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        panic!("{} did not start", self.nodes[i].name);
+        false
+    }
+
+    fn assert_accepting(&self, i: usize) {
+        if std::net::TcpStream::connect(("127.0.0.1", self.nodes[i].port)).is_err() {
+            let node = &self.nodes[i];
+            let log = std::fs::read_to_string(node.log_path()).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(20).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            panic!("{} did not start on port {}; its log ends:\n{}", node.name, node.port, tail.join("\n"));
+        }
     }
 
     /// Waits until a JetStream account request answers through every running node.
@@ -163,6 +191,15 @@ impl NatsCluster {
         self.kill(i);
         self.spawn(i);
         self.wait_accepting(i);
+        self.assert_accepting(i);
+    }
+}
+
+impl ClusterNode {
+    /// The server's own log, in its store directory (removed with it);
+    /// a restart starts it afresh.
+    fn log_path(&self) -> std::path::PathBuf {
+        self.store.path().join("server.log")
     }
 }
 

