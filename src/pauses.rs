@@ -15,11 +15,11 @@ use tokio::sync::broadcast::{error::RecvError, Receiver};
 use tokio_util::sync::CancellationToken;
 use utoipa::ToSchema;
 
-use crate::error::Error;
 use crate::names::MemberRef;
 use crate::names::{GroupName, StreamName};
 use crate::nats::buckets::{BucketSpec, Buckets, OpenBuckets};
 use crate::nats::errors::unavailable_or_internal;
+use crate::nats::errors::{BrokerError as Error, BrokerErrorKind as Kind};
 
 /// The bucket of pause flags.
 pub const PAUSES_BUCKET: &str = "keygate-pauses";
@@ -155,8 +155,9 @@ impl Pauses {
     /// Pauses `who`; a member already paused keeps its first pause, which
     /// is answered with `false`.
     pub async fn pause(&self, who: &MemberRef, pause: Pause) -> Result<(Pause, bool), Error> {
-        let store = self.bucket(true).await?.ok_or_else(|| Error::Internal("no pauses bucket".into()))?;
-        let bytes: bytes::Bytes = serde_json::to_vec(&pause).map_err(|e| Error::Internal(e.to_string()))?.into();
+        let store = self.bucket(true).await?.ok_or_else(|| Error::new(Kind::Internal, "no pauses bucket"))?;
+        let bytes: bytes::Bytes =
+            serde_json::to_vec(&pause).map_err(|e| Error::new(Kind::Internal, "encoding a pause").caused_by(e))?.into();
         loop {
             match store.create(pause_key(who), bytes.clone()).await {
                 Ok(_) => return Ok((pause, true)),
@@ -191,7 +192,8 @@ impl Pauses {
         }
         pause.probing_by = Some(instance.to_owned());
         pause.next_probe_at = Some(now + lease);
-        let bytes = serde_json::to_vec(&pause).map_err(|e| Error::Internal(e.to_string()))?;
+        let bytes =
+            serde_json::to_vec(&pause).map_err(|e| Error::new(Kind::Internal, "encoding a pause").caused_by(e))?;
         Ok(store.update(&key, bytes.into(), entry.revision).await.is_ok())
     }
 
@@ -202,7 +204,8 @@ impl Pauses {
         let Some(every) = pause.probe_every_ms else { return Ok(()) };
         pause.probing_by = None;
         pause.next_probe_at = Some(OffsetDateTime::now_utc() + std::time::Duration::from_millis(every));
-        let bytes = serde_json::to_vec(&pause).map_err(|e| Error::Internal(e.to_string()))?;
+        let bytes =
+            serde_json::to_vec(&pause).map_err(|e| Error::new(Kind::Internal, "encoding a pause").caused_by(e))?;
         store.put(pause_key(who), bytes.into()).await.map_err(|e| unavailable_or_internal("storing a pause", e))?;
         Ok(())
     }

@@ -15,7 +15,31 @@ use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
 use utoipa::ToSchema;
 
-use crate::error::Error;
+use crate::error::Error as DomainError;
+
+/// What seeking a static group or a plain consumer can fail with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeekErrorKind {
+    /// The position (`to`) is invalid.
+    InvalidPosition,
+    /// An elastic group keeps no acknowledged messages to go back to.
+    ElasticGroup,
+    ConsumerNotFound,
+    /// The consumer is a partitioned group member's: seek the group.
+    GroupMembers,
+    Unavailable,
+    Internal,
+    Other(crate::error::Class),
+}
+crate::error::domain_kind!(SeekErrorKind {
+    InvalidPosition => Invalid,
+    ElasticGroup => Unprocessable,
+    ConsumerNotFound => NotFound,
+    GroupMembers => Conflict,
+});
+crate::error::flows_into!(SeekErrorKind: crate::nats::errors::BrokerErrorKind, crate::groups::GroupErrorKind);
+
+pub type SeekError = DomainError<SeekErrorKind>;
 use crate::groups::config::ownership;
 use crate::groups::spec::consumer_of;
 use crate::groups::store::DEFAULT_ACK_WAIT_MS;
@@ -25,6 +49,8 @@ use crate::names::{MemberRef, Owner};
 use crate::nats::errors::{is_not_found, stream_read_error, unavailable_or_internal};
 use crate::pauses::{Pause, Pauses};
 use crate::runtime::join::member_config;
+use SeekError as Error;
+use SeekErrorKind as Kind;
 
 /// How long a seek waits for the members' instances to let go of their
 /// consumers before it makes them again anyway (an instance still holding
@@ -74,8 +100,8 @@ impl SeekTo {
         match self {
             Self::Time(text) => OffsetDateTime::parse(text, &Rfc3339)
                 .map(|start_time| DeliverPolicy::ByStartTime { start_time })
-                .map_err(|e| Error::Invalid(format!("to.time must be an RFC 3339 time ({e})"))),
-            Self::Seq(0) => Err(Error::Invalid("to.seq starts at 1".into())),
+                .map_err(|e| Error::new(Kind::InvalidPosition, format!("to.time must be an RFC 3339 time ({e})"))),
+            Self::Seq(0) => Err(Error::new(Kind::InvalidPosition, "to.seq starts at 1")),
             Self::Seq(seq) => Ok(DeliverPolicy::ByStartSequence { start_sequence: *seq }),
             Self::Latest => Ok(DeliverPolicy::New),
         }
@@ -130,10 +156,10 @@ pub async fn seek_group(
     let stored = groups.load(stream, group, None).await?;
     let config = stored.config;
     if config.kind() == GroupKind::Elastic {
-        return Err(Error::Unprocessable(
+        return Err(Error::new(
+            Kind::ElasticGroup,
             "seek applies to static groups and plain consumers: an elastic group's work queue keeps no acknowledged \
-             messages to go back to"
-                .into(),
+             messages to go back to",
         ));
     }
     let first = first_message(js, stream).await?;
@@ -142,7 +168,8 @@ pub async fn seek_group(
     let members: Vec<String> =
         ownership(config.partitions(), config.members(), config.mappings()).into_iter().map(|(m, _)| m).collect();
     let who = |member: &str| -> Result<MemberRef, Error> {
-        let member = MemberName::parse(member).map_err(|e| Error::Internal(e.to_string()))?;
+        let member =
+            MemberName::parse(member).map_err(|e| Error::new(Kind::Internal, "a stored member name").caused_by(e))?;
         Ok(MemberRef { stream: stream.clone(), group: group.clone(), member, owner: Owner::Group })
     };
     // Pause the members not paused already; only those are resumed after.
@@ -169,7 +196,7 @@ pub async fn seek_group(
             match handle.delete_consumer(name).await {
                 Ok(_) => {}
                 Err(e) if is_not_found(&e) => {}
-                Err(e) => return Err(unavailable_or_internal("deleting a member's consumer", e)),
+                Err(e) => return Err(Error::from(unavailable_or_internal("deleting a member's consumer", e))),
             }
             let wanted = jetstream::consumer::pull::Config {
                 deliver_policy: policy,
@@ -180,13 +207,13 @@ pub async fn seek_group(
                 .await
                 .map_err(|e| unavailable_or_internal("making a member's consumer", e))?;
         }
-        Ok(names)
+        Ok::<_, Error>(names)
     }
     .await;
     // Resumed whatever happened: a member is never left paused by a failed seek.
     for who in &paused_here {
         if let Err(e) = pauses.resume(who).await {
-            tracing::warn!(member = %who.member, error = %e, "could not resume a member after seeking; resume it by hand");
+            tracing::warn!(member = %who.member, error = %e.report(), "could not resume a member after seeking; resume it by hand");
         }
     }
     Ok(answer(stream, (Some(group.to_string()), None), to, remade?, first))
@@ -222,14 +249,15 @@ pub async fn seek_consumer(
     let info = match handle.consumer_info(consumer.as_str()).await {
         Ok(info) => info,
         Err(e) if is_not_found(&e) => {
-            return Err(Error::NotFound(format!("consumer {consumer} not found on stream {stream}")))
+            return Err(Error::new(Kind::ConsumerNotFound, format!("consumer {consumer} not found on stream {stream}")))
         }
-        Err(e) => return Err(unavailable_or_internal("reading the consumer", e)),
+        Err(e) => return Err(unavailable_or_internal("reading the consumer", e).into()),
     };
     if info.config.priority_groups.iter().any(|g| g == crate::groups::config::PRIORITY_GROUP) {
-        return Err(Error::Conflict(format!(
-            "consumer {consumer} belongs to a partitioned consumer group member; seek the group instead"
-        )));
+        return Err(Error::new(
+            Kind::GroupMembers,
+            format!("consumer {consumer} belongs to a partitioned consumer group member; seek the group instead"),
+        ));
     }
     let first = first_message(js, stream).await?;
     let original = info.config.clone();
@@ -238,7 +266,7 @@ pub async fn seek_consumer(
     if let Err(e) = handle.create_consumer(wanted).await {
         // Never leave the consumer gone: make it again as it was.
         let _ = handle.create_consumer(original).await;
-        return Err(unavailable_or_internal("making the consumer again", e));
+        return Err(unavailable_or_internal("making the consumer again", e).into());
     }
     Ok(answer(stream, (None, Some(consumer.to_string())), to, vec![consumer.to_string()], first))
 }

@@ -46,7 +46,7 @@ pub async fn run_as_singleton<F, Fut>(
                 Err(_) => None,
             },
             Err(e) => {
-                tracing::debug!(duty = name, error = %e, "lease bucket unavailable");
+                tracing::debug!(duty = name, error = %e.report(), "lease bucket unavailable");
                 None
             }
         };

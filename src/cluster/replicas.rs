@@ -151,7 +151,7 @@ impl Replicas {
         let store = loop {
             match buckets.open_or_create(BucketSpec::expiring(REPLICAS_BUCKET, REPLICA_TTL)).await {
                 Ok(store) => break store,
-                Err(e) => tracing::debug!(error = %e, "replicas bucket unavailable; retrying"),
+                Err(e) => tracing::debug!(error = %e.report(), "replicas bucket unavailable; retrying"),
             }
             tokio::select! {
                 () = tokio::time::sleep(RENEW_EVERY) => {}

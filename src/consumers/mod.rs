@@ -12,12 +12,46 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use utoipa::ToSchema;
 
-use crate::error::Error;
+use crate::error::Error as DomainError;
+
+/// What managing a plain consumer can fail with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConsumerErrorKind {
+    /// The consumer's specification is invalid.
+    InvalidSpec,
+    StreamNotFound,
+    NotFound,
+    /// The consumer is a partitioned group member's: managed through its group.
+    GroupMembers,
+    /// `unpin` on a consumer without the pinned_client policy.
+    NotPinned,
+    /// A filter matches nothing the stream stores.
+    FilterMatchesNothing,
+    /// The server refused the configuration.
+    Refused,
+    Unavailable,
+    Internal,
+    Other(crate::error::Class),
+}
+crate::error::domain_kind!(ConsumerErrorKind {
+    InvalidSpec => Invalid,
+    StreamNotFound => NotFound,
+    NotFound => NotFound,
+    GroupMembers => Conflict,
+    NotPinned => Conflict,
+    FilterMatchesNothing => Unprocessable,
+    Refused => Unprocessable,
+});
+crate::error::flows_into!(ConsumerErrorKind: crate::nats::errors::BrokerErrorKind, crate::groups::GroupErrorKind);
+
+pub type ConsumerError = DomainError<ConsumerErrorKind>;
 use crate::groups::config::PRIORITY_GROUP;
 use crate::groups::GroupAdmin;
 use crate::names::{ConsumerName, StreamName};
-use crate::nats::errors::{is_not_found, is_transient, jetstream_error_code, unavailable_or_internal, BrokerError};
+use crate::nats::errors::{is_not_found, is_transient, jetstream_error_code, unavailable_or_internal, NatsFailure};
 use crate::partition::SubjectPattern;
+use ConsumerError as Error;
+use ConsumerErrorKind as Kind;
 
 /// Default ack wait of a consumer.
 pub const DEFAULT_ACK_WAIT_MS: u64 = 30_000;
@@ -88,7 +122,7 @@ pub const SHUFFLE_METADATA: &str = "keygate.shuffle";
 
 impl Shuffle {
     fn check(&self) -> Result<(), Error> {
-        let bad = |m: &str| Err(Error::Invalid(format!("shuffle: {m}")));
+        let bad = |m: &str| Err(Error::new(Kind::InvalidSpec, format!("shuffle: {m}")));
         if !(self.probability > 0.0 && self.probability <= 1.0) {
             return bad("probability must be above 0 and at most 1");
         }
@@ -150,7 +184,7 @@ pub fn valid_priority_group(name: &str) -> bool {
 impl ConsumerSpec {
     /// The consumer configuration, or why it would be refused.
     pub fn into_config(self, name: &ConsumerName) -> Result<consumer::pull::Config, Error> {
-        let bad = |m: String| Err(Error::Invalid(m));
+        let bad = |m: String| Err(Error::new(Kind::InvalidSpec, m));
         match (self.policy, &self.group) {
             (Policy::None, Some(_)) => {
                 return bad("group needs a policy (overflow, pinned_client or prioritized)".into())
@@ -182,7 +216,8 @@ impl ConsumerSpec {
         }
         let filters = self.filter_subjects.unwrap_or_default();
         for filter in &filters {
-            SubjectPattern::parse(filter).map_err(|e| Error::Invalid(format!("filter {filter:?}: {e}")))?;
+            SubjectPattern::parse(filter)
+                .map_err(|e| Error::new(Kind::InvalidSpec, format!("filter {filter:?}: {e}")))?;
         }
         let mut unique = filters.clone();
         unique.sort();
@@ -261,9 +296,9 @@ impl Consumers {
     async fn stream(&self, stream: &StreamName) -> Result<jetstream::stream::Stream<()>, Error> {
         let handle = self.js.get_stream_no_info(stream.as_str()).await.map_err(|e| {
             if is_not_found(&e) {
-                Error::NotFound(format!("no stream {stream}"))
+                Error::new(Kind::StreamNotFound, format!("no stream {stream}"))
             } else {
-                unavailable_or_internal("reading stream", e)
+                unavailable_or_internal("reading stream", e).into()
             }
         })?;
         Ok(handle)
@@ -277,11 +312,11 @@ impl Consumers {
                 // Distinguish "no stream" from "no consumer".
                 match self.js.get_stream(stream.as_str()).await {
                     Ok(_) => Ok(None),
-                    Err(e) if is_not_found(&e) => Err(Error::NotFound(format!("no stream {stream}"))),
-                    Err(e) => Err(unavailable_or_internal("reading stream", e)),
+                    Err(e) if is_not_found(&e) => Err(Error::new(Kind::StreamNotFound, format!("no stream {stream}"))),
+                    Err(e) => Err(unavailable_or_internal("reading stream", e).into()),
                 }
             }
-            Err(e) => Err(unavailable_or_internal("reading consumer", e)),
+            Err(e) => Err(unavailable_or_internal("reading consumer", e).into()),
         }
     }
 
@@ -298,9 +333,12 @@ impl Consumers {
         self.check_filters(stream, &config.filter_subjects).await?;
         if let Some(info) = &existing {
             if info.config.priority_groups.iter().any(|g| g == PRIORITY_GROUP) {
-                return Err(Error::Conflict(format!(
-                    "consumer {name} belongs to a partitioned consumer group member; manage it through the group"
-                )));
+                return Err(Error::new(
+                    Kind::GroupMembers,
+                    format!(
+                        "consumer {name} belongs to a partitioned consumer group member; manage it through the group"
+                    ),
+                ));
             }
         }
         let handle = self.stream(stream).await?;
@@ -314,7 +352,7 @@ impl Consumers {
             _ => handle.update_consumer(config).await.map(|_| ()).map_err(refused),
         };
         result?;
-        let info = self.info(stream, name).await?.ok_or_else(|| Error::Internal("consumer vanished".into()))?;
+        let info = self.info(stream, name).await?.ok_or_else(|| Error::new(Kind::Internal, "consumer vanished"))?;
         Ok((outcome, view(&info)))
     }
 
@@ -324,9 +362,10 @@ impl Consumers {
     async fn check_not_a_members(&self, stream: &StreamName, name: &ConsumerName) -> Result<(), Error> {
         let members = self.groups.static_member_consumers(stream).await?;
         match members.iter().find(|(_, consumer)| consumer == name.as_str()) {
-            Some((group, _)) => Err(Error::Conflict(format!(
-                "consumer {name} is the consumer of a member of group {group}; manage it through the group"
-            ))),
+            Some((group, _)) => Err(Error::new(
+                Kind::GroupMembers,
+                format!("consumer {name} is the consumer of a member of group {group}; manage it through the group"),
+            )),
             None => Ok(()),
         }
     }
@@ -352,12 +391,15 @@ impl Consumers {
         };
         let stored: Vec<SubjectPattern> = stored.iter().filter_map(|s| SubjectPattern::parse(s).ok()).collect();
         for filter in filters {
-            let pattern = SubjectPattern::parse(filter).map_err(|e| Error::Invalid(e.to_string()))?;
+            let pattern = SubjectPattern::parse(filter).map_err(|e| Error::new(Kind::InvalidSpec, e.to_string()))?;
             if !stored.iter().any(|s| s.overlaps(&pattern)) {
-                return Err(Error::Unprocessable(format!(
-                    "filter {filter:?} matches none of stream {stream}'s stored subjects ({})",
-                    stored.iter().map(SubjectPattern::as_string).collect::<Vec<_>>().join(", ")
-                )));
+                return Err(Error::new(
+                    Kind::FilterMatchesNothing,
+                    format!(
+                        "filter {filter:?} matches none of stream {stream}'s stored subjects ({})",
+                        stored.iter().map(SubjectPattern::as_string).collect::<Vec<_>>().join(", ")
+                    ),
+                ));
             }
         }
         Ok(())
@@ -375,9 +417,12 @@ impl Consumers {
         let info = self.info(stream, name).await?.ok_or_else(|| not_found(stream, name))?;
         self.check_not_a_members(stream, name).await?;
         if info.config.priority_groups.iter().any(|g| g == PRIORITY_GROUP) {
-            return Err(Error::Conflict(format!(
+            return Err(Error::new(
+                Kind::GroupMembers,
+                format!(
                 "consumer {name} belongs to a partitioned consumer group member; join the group as that member instead"
-            )));
+            ),
+            ));
         }
         Ok(view(&info))
     }
@@ -385,9 +430,10 @@ impl Consumers {
     pub async fn delete(&self, stream: &StreamName, name: &ConsumerName) -> Result<(), Error> {
         let info = self.info(stream, name).await?.ok_or_else(|| not_found(stream, name))?;
         if info.config.priority_groups.iter().any(|g| g == PRIORITY_GROUP) {
-            return Err(Error::Conflict(format!(
-                "consumer {name} belongs to a partitioned consumer group member; delete the group instead"
-            )));
+            return Err(Error::new(
+                Kind::GroupMembers,
+                format!("consumer {name} belongs to a partitioned consumer group member; delete the group instead"),
+            ));
         }
         let handle = self.stream(stream).await?;
         handle.delete_consumer(name.as_str()).await.map_err(|e| unavailable_or_internal("deleting consumer", e))?;
@@ -398,7 +444,10 @@ impl Consumers {
     pub async fn unpin(&self, stream: &StreamName, name: &ConsumerName) -> Result<ConsumerView, Error> {
         let info = self.info(stream, name).await?.ok_or_else(|| not_found(stream, name))?;
         if policy_of(&info.config) != Policy::PinnedClient {
-            return Err(Error::Conflict(format!("consumer {name} has no pinned_client policy: nothing to unpin")));
+            return Err(Error::new(
+                Kind::NotPinned,
+                format!("consumer {name} has no pinned_client policy: nothing to unpin"),
+            ));
         }
         let group = info.config.priority_groups.first().cloned().unwrap_or_default();
         let handle = self.stream(stream).await?;
@@ -408,14 +457,16 @@ impl Consumers {
 }
 
 fn not_found(stream: &StreamName, name: &ConsumerName) -> Error {
-    Error::NotFound(format!("no consumer {name} on stream {stream}"))
+    Error::new(Kind::NotFound, format!("no consumer {name} on stream {stream}"))
 }
 
 /// The server's refusal of a configuration, in its words.
-fn refused(err: impl BrokerError) -> Error {
+fn refused(err: impl NatsFailure + Send + Sync) -> Error {
     match jetstream_error_code(&err) {
-        Some(_) if !is_transient(&err) => Error::Unprocessable(format!("the server refused the consumer: {err}")),
-        _ => unavailable_or_internal("creating consumer", err),
+        Some(_) if !is_transient(&err) => {
+            Error::new(Kind::Refused, format!("the server refused the consumer: {err}")).caused_by(err)
+        }
+        _ => unavailable_or_internal("creating consumer", err).into(),
     }
 }
 

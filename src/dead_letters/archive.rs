@@ -8,8 +8,8 @@ use futures::StreamExt;
 
 use super::filter::{Cursor, Selection};
 use super::letter::{Letter, Redriven};
+use super::{DeadLetterError as Error, DeadLetterErrorKind as Kind};
 use super::{DEAD_LETTER_STREAM, REDRIVES_BUCKET};
-use crate::error::Error;
 use crate::nats::buckets::{BucketSpec, Buckets};
 use crate::nats::errors::{is_not_found, jetstream_error_code, unavailable_or_internal};
 
@@ -51,7 +51,7 @@ impl Archive {
         match self.js.get_stream_no_info(DEAD_LETTER_STREAM).await {
             Ok(stream) => Ok(Some(stream)),
             Err(e) if is_not_found(&e) => Ok(None),
-            Err(e) => Err(unavailable_or_internal("reading the dead-letter stream", e)),
+            Err(e) => Err(unavailable_or_internal("reading the dead-letter stream", e).into()),
         }
     }
 
@@ -79,7 +79,7 @@ impl Archive {
         let scanner: consumer::PullConsumer = match stream.create_consumer(config).await {
             Ok(consumer) => consumer,
             Err(e) if is_not_found(&e) => return Ok(Page::default()),
-            Err(e) => return Err(unavailable_or_internal("reading the dead-letter stream", e)),
+            Err(e) => return Err(unavailable_or_internal("reading the dead-letter stream", e).into()),
         };
         let page = scan(&scanner, selection).await;
         let name = scanner.cached_info().name.clone();
@@ -106,7 +106,7 @@ impl Archive {
             Ok(deleted) => deleted,
             // The server's answer for a sequence it does not hold.
             Err(e) if jetstream_error_code(&e) == Some(jetstream::ErrorCode::NO_MESSAGE_FOUND.0) => false,
-            Err(e) => return Err(unavailable_or_internal("deleting a dead letter", e)),
+            Err(e) => return Err(unavailable_or_internal("deleting a dead letter", e).into()),
         };
         if let Some(marks) = self.marks(false).await? {
             marks
@@ -134,10 +134,12 @@ impl Archive {
 
     /// Remembers that `letter` was redriven.
     pub(super) async fn mark_redriven(&self, letter: &Letter, mark: &Redriven) -> Result<(), Error> {
-        let marks = self.marks(true).await?.ok_or_else(|| Error::Internal("no redrives bucket".into()))?;
-        let mut value = serde_json::to_value(mark).map_err(|e| Error::Internal(e.to_string()))?;
+        let marks = self.marks(true).await?.ok_or_else(|| Error::new(Kind::Internal, "no redrives bucket"))?;
+        let mut value = serde_json::to_value(mark)
+            .map_err(|e| Error::new(Kind::Internal, "encoding a redrive mark").caused_by(e))?;
         value["letter"] = serde_json::Value::String(letter.msg_id.clone());
-        let bytes = serde_json::to_vec(&value).map_err(|e| Error::Internal(e.to_string()))?;
+        let bytes = serde_json::to_vec(&value)
+            .map_err(|e| Error::new(Kind::Internal, "encoding a redrive mark").caused_by(e))?;
         marks
             .put(mark_key(letter.seq), bytes.into())
             .await
@@ -148,10 +150,10 @@ impl Archive {
     /// The redrives bucket, made when `create` and missing.
     async fn marks(&self, create: bool) -> Result<Option<kv::Store>, Error> {
         if !create {
-            return self.buckets.open(REDRIVES_BUCKET).await;
+            return Ok(self.buckets.open(REDRIVES_BUCKET).await?);
         }
         let spec = BucketSpec::state(REDRIVES_BUCKET, "keygate: where dead letters were redriven to");
-        self.buckets.open_or_create(spec).await.map(Some)
+        Ok(Some(self.buckets.open_or_create(spec).await?))
     }
 }
 
@@ -162,7 +164,7 @@ fn mark_key(seq: u64) -> String {
 async fn scan(scanner: &consumer::PullConsumer, selection: &Selection) -> Result<Page, Error> {
     let unavailable = |e: &dyn std::fmt::Display| {
         tracing::warn!(error = %e, "scanning the dead-letter stream");
-        Error::Unavailable("reading the dead-letter stream: NATS did not answer; retry later".into())
+        Error::new(Kind::Unavailable, "reading the dead-letter stream: NATS did not answer; retry later")
     };
     let filter = &selection.filter;
     let mut page = Page::default();

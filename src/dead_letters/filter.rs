@@ -9,8 +9,8 @@ use time::OffsetDateTime;
 use utoipa::{IntoParams, ToSchema};
 
 use super::letter::Letter;
+use super::{DeadLetterError as Error, DeadLetterErrorKind as Kind};
 use crate::auth::Requirement;
-use crate::error::Error;
 use crate::names::Owner;
 use crate::names::{GroupName, MemberName, StreamName};
 
@@ -97,7 +97,7 @@ pub struct Selection {
 impl DeadLetterQuery {
     /// Checks every field; a bad one is a 400 saying which.
     pub fn check(&self, max_limit: usize) -> Result<Selection, Error> {
-        let bad = |m: String| Error::Invalid(m);
+        let bad = |m: String| Error::new(Kind::InvalidQuery, m);
         let time = |field: &str, value: &Option<String>| {
             value
                 .as_deref()

@@ -16,6 +16,32 @@ pub use letter::{DeadLetterView, Letter, Redriven};
 pub use record::{dead_letter_id, record, DeadLetter, Stored};
 pub use redrive::{redrive_in_order, RedriveOutcome};
 
+/// What reading, redriving or deleting dead letters can fail with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeadLetterErrorKind {
+    /// A query parameter or cursor is invalid.
+    InvalidQuery,
+    /// The letter's stream is keygate's or the server's own.
+    Reserved,
+    /// An earlier letter of the same key could not go back; this one waits.
+    HeldBehindEarlier,
+    Unavailable,
+    Internal,
+    Other(crate::error::Class),
+}
+crate::error::domain_kind!(DeadLetterErrorKind {
+    InvalidQuery => Invalid,
+    Reserved => Reserved,
+    HeldBehindEarlier => Conflict,
+});
+crate::error::flows_into!(
+    DeadLetterErrorKind: crate::nats::errors::BrokerErrorKind,
+    crate::streams::StreamErrorKind,
+    crate::publish::PublishErrorKind,
+);
+
+pub type DeadLetterError = crate::error::Error<DeadLetterErrorKind>;
+
 /// Stream keeping dead letters.
 pub const DEAD_LETTER_STREAM: &str = "KEYGATE_DEAD_LETTERS";
 /// Its subjects: `keygate.dlq.<stream>.<group or consumer>.<member>`.

@@ -96,7 +96,7 @@ pub async fn record(buckets: &Buckets, letter: DeadLetter<'_>) -> anyhow::Result
     Ok(Stored { id, seq: ack.sequence })
 }
 
-async fn ensure_stream(buckets: &Buckets) -> Result<(), crate::error::Error> {
+async fn ensure_stream(buckets: &Buckets) -> Result<(), crate::nats::errors::BrokerError> {
     let config = stream::Config {
         name: DEAD_LETTER_STREAM.into(),
         subjects: vec![DEAD_LETTER_SUBJECTS.into()],

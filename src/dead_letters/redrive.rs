@@ -15,7 +15,8 @@ use sha2::Digest as _;
 use super::archive::Archive;
 use super::letter::{Letter, Redriven};
 use super::REDRIVEN_FROM;
-use crate::error::Error;
+use super::{DeadLetterError as Error, DeadLetterErrorKind as Kind};
+use crate::error::Class;
 use crate::names::StreamName;
 use crate::publish::{self, HeaderValues, PublishRequest};
 use crate::streams::Streams;
@@ -40,15 +41,18 @@ async fn redrive(
     if let Some(redriven) = mark {
         return Ok(RedriveOutcome { redriven, earlier: true });
     }
-    let stream = StreamName::parse(&letter.stream).map_err(|e| Error::Invalid(e.to_string()))?;
+    let stream =
+        StreamName::parse(&letter.stream).map_err(|e| Error::new(Kind::Other(Class::Invalid), e.to_string()))?;
     if let Some(why) = crate::streams::reserved_stream_name(stream.as_str()) {
-        return Err(Error::Reserved(why));
+        return Err(Error::new(Kind::Reserved, why));
     }
     let shape = streams.shape(&stream).await?;
     let prepared =
         publish::prepare(&shape, republished(letter), None, max_payload)?.redriven_from(&letter.id(), max_payload)?;
     let mut results = publish::publish_all(js, &shape, vec![Ok(prepared)]).await;
-    let ack = results.pop().unwrap_or_else(|| Err(Error::Internal("no publish result".into())))?;
+    let ack = results
+        .pop()
+        .unwrap_or_else(|| Err(publish::PublishError::new(publish::PublishErrorKind::Internal, "no publish result")))?;
     let redriven = Redriven {
         at: time::OffsetDateTime::now_utc(),
         stream: ack.stream,
@@ -82,11 +86,11 @@ pub async fn redrive_in_order(
             let why = format!(
                 "not redriven: dead letter {first} of the same key could not be, and this one would overtake it"
             );
-            outcomes.push((letter, Err(Error::Conflict(why))));
+            outcomes.push((letter, Err(Error::new(Kind::HeldBehindEarlier, why))));
             continue;
         }
         match redrive(js, archive, streams, max_payload, &letter, mark).await {
-            Err(Error::Unavailable(why)) => return Err(Error::Unavailable(why)),
+            Err(e) if e.class() == Class::Unavailable => return Err(e),
             Err(e) => {
                 held.push((letter.stream.clone(), letter.key.clone(), letter.id()));
                 outcomes.push((letter, Err(e)));

@@ -18,7 +18,7 @@ use super::store::{
     cas_error, config_bytes, sorted, GroupAdmin, GroupSettings, StoredGroup, CAS_ATTEMPTS, SETTINGS_BUCKET,
 };
 use super::view::MembershipView;
-use crate::error::Error;
+use super::{GroupError as Error, GroupErrorKind as Kind};
 use crate::names::{GroupName, MemberName, StreamName};
 use crate::nats::errors::{is_not_found, jetstream_error_code, unavailable_or_internal};
 use crate::partition::{PartitionSpec, SubjectPattern, TransformSpelling};
@@ -51,13 +51,16 @@ impl GroupAdmin {
             GroupKind::Elastic => GroupKind::Static,
         };
         if self.read(other, stream.as_str(), group.as_str()).await?.is_some() {
-            return Err(Error::Conflict(format!(
-                "group {group} already exists on {stream} as {} group; delete it first",
-                match other {
-                    GroupKind::Static => "a static",
-                    GroupKind::Elastic => "an elastic",
-                }
-            )));
+            return Err(Error::new(
+                Kind::ExistsDifferently,
+                format!(
+                    "group {group} already exists on {stream} as {} group; delete it first",
+                    match other {
+                        GroupKind::Static => "a static",
+                        GroupKind::Elastic => "an elastic",
+                    }
+                ),
+            ));
         }
         let key = config_key(stream.as_str(), group.as_str());
         let existing = self.read(kind, stream.as_str(), group.as_str()).await?;
@@ -100,7 +103,7 @@ impl GroupAdmin {
             settings_store
                 .put(&key, Bytes::from(serde_json::to_vec(&settings).unwrap_or_default()))
                 .await
-                .map_err(|e| unavailable_or_internal("storing group settings", e))?;
+                .map_err(|e| Error::from(unavailable_or_internal("storing group settings", e)))?;
             if outcome == PutOutcome::Unchanged {
                 return Ok(PutOutcome::Updated);
             }
@@ -131,10 +134,11 @@ impl GroupAdmin {
                 let store = self.bucket_or_create(bucket_name, replicas).await?;
                 match store.create(key, config_bytes(config)).await {
                     Ok(_) => Ok(PutOutcome::Created),
-                    Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
-                        Err(Error::Conflict("the group was created concurrently; read it and retry".into()))
-                    }
-                    Err(e) => Err(unavailable_or_internal("storing group", e)),
+                    Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => Err(Error::new(
+                        Kind::ChangedConcurrently,
+                        "the group was created concurrently; read it and retry",
+                    )),
+                    Err(e) => Err(unavailable_or_internal("storing group", e).into()),
                 }
             }
         }
@@ -152,9 +156,12 @@ impl GroupAdmin {
         let ours: Vec<String> = member_names(config).map(|m| static_consumer_name(group.as_str(), m)).collect();
         for (other, theirs) in self.static_member_consumers(stream).await? {
             if other != group.as_str() && ours.contains(&theirs) {
-                return Err(Error::Conflict(format!(
+                return Err(Error::new(
+                    Kind::NameTaken,
+                    format!(
                     "consumer {theirs} already belongs to group {other} on {stream}; choose other group or member names"
-                )));
+                ),
+                ));
             }
         }
         Ok(())
@@ -227,11 +234,14 @@ impl GroupAdmin {
         };
         self.js.create_stream(wq).await.map(|_| !existed).map_err(|e| {
             if jetstream_error_code(&e) == Some(crate::nats::errors::codes::STREAM_NAME_IN_USE) {
-                Error::Conflict(format!(
-                    "stream {name} already exists with another configuration; delete it or pick another group name"
-                ))
+                Error::new(
+                    Kind::NameTaken,
+                    format!(
+                        "stream {name} already exists with another configuration; delete it or pick another group name"
+                    ),
+                )
             } else {
-                unavailable_or_internal("creating the group's work-queue stream", e)
+                unavailable_or_internal("creating the group's work-queue stream", e).into()
             }
         })
     }
@@ -248,7 +258,7 @@ impl GroupAdmin {
             GroupKind::Elastic => ELASTIC_BUCKET,
         };
         if let Some(store) = self.bucket(bucket_name).await? {
-            store.delete(&key).await.map_err(|e| unavailable_or_internal("deleting group", e))?;
+            store.delete(&key).await.map_err(|e| Error::from(unavailable_or_internal("deleting group", e)))?;
         }
         match &stored.config {
             GroupConfig::Static(_) => {
@@ -259,7 +269,7 @@ impl GroupAdmin {
                     match self.js.delete_consumer_from_stream(&consumer, stream.as_str()).await {
                         Ok(_) => {}
                         Err(e) if is_not_found(&e) => {}
-                        Err(e) => return Err(unavailable_or_internal("deleting member consumer", e)),
+                        Err(e) => return Err(unavailable_or_internal("deleting member consumer", e).into()),
                     }
                 }
             }
@@ -267,7 +277,7 @@ impl GroupAdmin {
                 match self.js.delete_stream(elastic_stream_name(stream.as_str(), group.as_str())).await {
                     Ok(_) => {}
                     Err(e) if is_not_found(&e) => {}
-                    Err(e) => return Err(unavailable_or_internal("deleting the group's work-queue stream", e)),
+                    Err(e) => return Err(unavailable_or_internal("deleting the group's work-queue stream", e).into()),
                 }
             }
         }
@@ -285,12 +295,13 @@ impl GroupAdmin {
         add: &[MemberName],
     ) -> Result<MembershipView, Error> {
         if add.is_empty() {
-            return Err(Error::Invalid("members must name at least one member".into()));
+            return Err(Error::new(Kind::InvalidSpec, "members must name at least one member"));
         }
         self.edit_elastic(stream, group, |config| {
             if !config.member_mappings.is_empty() {
-                return Err(Error::Conflict(
-                    "the group uses member mappings; change them with PUT …/mappings or delete them first".into(),
+                return Err(Error::new(
+                    Kind::MembershipFixed,
+                    "the group uses member mappings; change them with PUT …/mappings or delete them first",
                 ));
             }
             for member in add {
@@ -312,14 +323,15 @@ impl GroupAdmin {
     ) -> Result<MembershipView, Error> {
         self.edit_elastic(stream, group, |config| {
             if !config.member_mappings.is_empty() {
-                return Err(Error::Conflict(
-                    "the group uses member mappings; change them with PUT …/mappings or delete them first".into(),
+                return Err(Error::new(
+                    Kind::MembershipFixed,
+                    "the group uses member mappings; change them with PUT …/mappings or delete them first",
                 ));
             }
             let before = config.members.len();
             config.members.retain(|m| m != member.as_str());
             if config.members.len() == before {
-                return Err(Error::NotFound(format!("member {member} is not in group {group}")));
+                return Err(Error::new(Kind::MemberNotFound, format!("member {member} is not in group {group}")));
             }
             Ok(())
         })
@@ -334,13 +346,13 @@ impl GroupAdmin {
         mappings: Vec<MemberMapping>,
     ) -> Result<MembershipView, Error> {
         if mappings.is_empty() {
-            return Err(Error::Invalid("mappings must not be empty; DELETE …/mappings removes them".into()));
+            return Err(Error::new(Kind::InvalidSpec, "mappings must not be empty; DELETE …/mappings removes them"));
         }
         self.edit_elastic(stream, group, |config| {
             config.members.clear();
             config.member_mappings = mappings.clone();
             validate_membership(config.max_members, &config.members, &config.member_mappings)
-                .map_err(|e| Error::Invalid(e.to_string()))
+                .map_err(|e| Error::new(Kind::InvalidSpec, e.to_string()))
         })
         .await
     }
@@ -363,12 +375,16 @@ impl GroupAdmin {
         for _ in 0..CAS_ATTEMPTS {
             let stored = self.load(stream, group, None).await?;
             let GroupConfig::Elastic(mut config) = stored.config else {
-                return Err(Error::Conflict(format!(
+                return Err(Error::new(
+                    Kind::MembershipFixed,
+                    format!(
                     "group {group} is a static group: its membership is fixed; delete and recreate it to change members"
-                )));
+                ),
+                ));
             };
             change(&mut config)?;
-            let store = self.bucket(ELASTIC_BUCKET).await?.ok_or_else(|| Error::NotFound("group not found".into()))?;
+            let store =
+                self.bucket(ELASTIC_BUCKET).await?.ok_or_else(|| Error::new(Kind::NotFound, "group not found"))?;
             let key = config_key(stream.as_str(), group.as_str());
             match store.update(&key, Bytes::from(go_json(&config)), stored.revision).await {
                 Ok(revision) => {
@@ -381,26 +397,29 @@ impl GroupAdmin {
                     tokio::time::sleep(jitter).await;
                     continue;
                 }
-                Err(e) => return Err(unavailable_or_internal("updating group", e)),
+                Err(e) => return Err(unavailable_or_internal("updating group", e).into()),
             }
         }
-        Err(Error::Conflict(format!("group {group} kept changing concurrently; retry")))
+        Err(Error::new(Kind::ChangedConcurrently, format!("group {group} kept changing concurrently; retry")))
     }
 
     /// Unpins a member's current instance so another can take over.
     pub async fn step_down(&self, stream: &StreamName, group: &GroupName, member: &MemberName) -> Result<(), Error> {
         let stored = self.load(stream, group, None).await?;
         if !stored.config.has_member(member.as_str()) {
-            return Err(Error::NotFound(format!("member {member} is not in group {group}")));
+            return Err(Error::new(Kind::MemberNotFound, format!("member {member} is not in group {group}")));
         }
         let (stream_name, consumer) = consumer_of(&stored.config, stream.as_str(), group.as_str(), member.as_str());
-        let handle =
-            self.js.get_stream_no_info(&stream_name).await.map_err(|e| unavailable_or_internal("step-down", e))?;
+        let handle = self
+            .js
+            .get_stream_no_info(&stream_name)
+            .await
+            .map_err(|e| Error::from(unavailable_or_internal("step-down", e)))?;
         handle.unpin_consumer(&consumer, PRIORITY_GROUP).await.map_err(|e| {
             if is_not_found(&e) {
-                Error::NotFound(format!("member {member} has no consumer: no instance is serving it"))
+                Error::new(Kind::NoConsumer, format!("member {member} has no consumer: no instance is serving it"))
             } else {
-                unavailable_or_internal("step-down", e)
+                unavailable_or_internal("step-down", e).into()
             }
         })
     }
@@ -419,27 +438,36 @@ enum Reconcile {
 fn plan_reconcile(have: &GroupConfig, want: &GroupConfig, membership_given: bool) -> Result<Reconcile, Error> {
     let recreate = "delete and recreate the group to change it";
     if have.partitions() != want.partitions() {
-        return Err(Error::Conflict(format!(
-            "the group has {} partitions; the partition count never changes: {recreate}",
-            have.partitions()
-        )));
+        return Err(Error::new(
+            Kind::ExistsDifferently,
+            format!("the group has {} partitions; the partition count never changes: {recreate}", have.partitions()),
+        ));
     }
     match (have, want) {
         (GroupConfig::Static(have), GroupConfig::Static(want)) => {
             if have.filters != want.filters {
-                return Err(Error::Conflict(format!("the group's filters differ: {recreate}")));
+                return Err(Error::new(Kind::ExistsDifferently, format!("the group's filters differ: {recreate}")));
             }
             if membership_given && (have.members != want.members || have.member_mappings != want.member_mappings) {
-                return Err(Error::Conflict(format!("a static group's membership is fixed: {recreate}")));
+                return Err(Error::new(
+                    Kind::MembershipFixed,
+                    format!("a static group's membership is fixed: {recreate}"),
+                ));
             }
             Ok(Reconcile::Unchanged)
         }
         (GroupConfig::Elastic(have), GroupConfig::Elastic(want)) => {
             if have.partitioning_filters != want.partitioning_filters {
-                return Err(Error::Conflict(format!("the group's partitioning filters differ: {recreate}")));
+                return Err(Error::new(
+                    Kind::ExistsDifferently,
+                    format!("the group's partitioning filters differ: {recreate}"),
+                ));
             }
             if have.max_buffered_msgs != want.max_buffered_msgs || have.max_buffered_bytes != want.max_buffered_bytes {
-                return Err(Error::Conflict(format!("the group's buffer limits differ: {recreate}")));
+                return Err(Error::new(
+                    Kind::ExistsDifferently,
+                    format!("the group's buffer limits differ: {recreate}"),
+                ));
             }
             let same_members = sorted(&have.members) == sorted(&want.members);
             if !membership_given || (same_members && have.member_mappings == want.member_mappings) {
@@ -450,7 +478,7 @@ fn plan_reconcile(have: &GroupConfig, want: &GroupConfig, membership_given: bool
             next.member_mappings = want.member_mappings.clone();
             Ok(Reconcile::Membership(next))
         }
-        _ => Err(Error::Conflict("the group exists with another kind".into())),
+        _ => Err(Error::new(Kind::ExistsDifferently, "the group exists with another kind")),
     }
 }
 
@@ -483,7 +511,7 @@ fn check_elastic_filters(stream: &stream::Config, config: &ElasticGroupConfig) -
         let Ok(filter) = SubjectPattern::parse(&pf.filter) else { continue };
         if !stored.iter().any(|s| s.overlaps(&filter)) {
             let stored_text: Vec<String> = stored.iter().map(SubjectPattern::as_string).collect();
-            return Err(Error::Unprocessable(format!(
+            return Err(Error::new(Kind::StreamUnsuitable, format!(
                 "filter {:?} matches nothing stream {} stores ({}); a partition-stamped stream stores <partition>.<subject>",
                 pf.filter,
                 stream.name,
@@ -499,20 +527,26 @@ fn check_static_stream(stream: &stream::Config, partitions: u32) -> Result<(), E
     let stamped = stream.subject_transform.as_ref().and_then(|t| PartitionSpec::from_transform(&t.destination));
     match stamped {
         Some(spec) if spec.partitions == partitions => Ok(()),
-        Some(spec) => Err(Error::Unprocessable(format!(
-            "stream {} is stamped with {} partitions; a static group over it must have {}",
-            stream.name, spec.partitions, spec.partitions
-        ))),
+        Some(spec) => Err(Error::new(
+            Kind::StreamUnsuitable,
+            format!(
+                "stream {} is stamped with {} partitions; a static group over it must have {}",
+                stream.name, spec.partitions, spec.partitions
+            ),
+        )),
         None => {
             let pre_stamped =
                 !stream.subjects.is_empty() && stream.subjects.iter().all(|s| s.starts_with("*.") || s == ">");
             if pre_stamped {
                 Ok(())
             } else {
-                Err(Error::Unprocessable(format!(
-                    "stream {} is not partition-stamped: create it with \"partitions\", or use an elastic group",
-                    stream.name
-                )))
+                Err(Error::new(
+                    Kind::StreamUnsuitable,
+                    format!(
+                        "stream {} is not partition-stamped: create it with \"partitions\", or use an elastic group",
+                        stream.name
+                    ),
+                ))
             }
         }
     }
@@ -538,7 +572,10 @@ mod tests {
             fixed(r#"{"max_members":4,"filters":["b.*"],"members":["m1"]}"#),
             elastic(r#"{"max_members":4,"partitioning_filters":null}"#),
         ] {
-            assert!(matches!(plan_reconcile(&have, &want, false), Err(Error::Conflict(_))), "{want:?}");
+            assert!(
+                matches!(plan_reconcile(&have, &want, false), Err(e) if e.kind() == Kind::ExistsDifferently || e.kind() == Kind::MembershipFixed),
+                "{want:?}"
+            );
         }
     }
 
@@ -547,7 +584,9 @@ mod tests {
         let have = fixed(r#"{"max_members":4,"members":["m1","m2"]}"#);
         let other = fixed(r#"{"max_members":4,"members":["m1","m3"]}"#);
         assert_eq!(plan_reconcile(&have, &other, false).unwrap(), Reconcile::Unchanged);
-        assert!(matches!(plan_reconcile(&have, &other, true), Err(Error::Conflict(_))));
+        assert!(
+            matches!(plan_reconcile(&have, &other, true), Err(e) if e.kind() == Kind::ExistsDifferently || e.kind() == Kind::MembershipFixed)
+        );
         assert_eq!(plan_reconcile(&have, &have, true).unwrap(), Reconcile::Unchanged);
     }
 
@@ -570,7 +609,9 @@ mod tests {
         assert_eq!(plan_reconcile(&have, &grown, false).unwrap(), Reconcile::Unchanged, "membership not given");
         let buffered =
             elastic(r#"{"max_members":4,"partitioning_filters":null,"max_buffered_msg":11,"members":["a","b"]}"#);
-        assert!(matches!(plan_reconcile(&have, &buffered, true), Err(Error::Conflict(_))));
+        assert!(
+            matches!(plan_reconcile(&have, &buffered, true), Err(e) if e.kind() == Kind::ExistsDifferently || e.kind() == Kind::MembershipFixed)
+        );
     }
 
     fn stream(subjects: &[&str], transform: Option<(&str, &str)>) -> stream::Config {
@@ -589,9 +630,11 @@ mod tests {
     fn a_static_group_needs_a_stream_stamped_with_its_partition_count() {
         let stamped = stream(&["orders.*"], Some(("orders.*", "{{partition(4,1)}}.orders.{{wildcard(1)}}")));
         assert!(check_static_stream(&stamped, 4).is_ok());
-        assert!(matches!(check_static_stream(&stamped, 8), Err(Error::Unprocessable(m)) if m.contains("4 partitions")));
+        assert!(matches!(check_static_stream(&stamped, 8), Err(e) if e.message().contains("4 partitions")));
         assert!(check_static_stream(&stream(&["*.orders.*"], None), 8).is_ok(), "stamped by its publishers");
-        assert!(matches!(check_static_stream(&stream(&["orders.*"], None), 4), Err(Error::Unprocessable(_))));
+        assert!(
+            matches!(check_static_stream(&stream(&["orders.*"], None), 4), Err(e) if e.kind() == Kind::StreamUnsuitable)
+        );
     }
 
     #[test]
@@ -606,7 +649,9 @@ mod tests {
         let plain = stream(&["orders.*"], None);
         assert!(check_elastic_filters(&plain, &filters("orders.*")).is_ok());
         let stamped = stream(&["orders.*"], Some(("orders.*", "{{partition(4,1)}}.orders.{{wildcard(1)}}")));
-        assert!(matches!(check_elastic_filters(&stamped, &filters("orders.*")), Err(Error::Unprocessable(_))));
+        assert!(
+            matches!(check_elastic_filters(&stamped, &filters("orders.*")), Err(e) if e.kind() == Kind::StreamUnsuitable)
+        );
         assert!(check_elastic_filters(&stamped, &filters("*.orders.*")).is_ok(), "<partition>.orders.<key>");
     }
 }

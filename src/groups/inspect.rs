@@ -14,7 +14,7 @@ use super::config::{elastic_stream_name, ownership, MemberMapping, PRIORITY_GROU
 use super::spec::{consumer_of, GroupConfig, GroupKind, PartitioningFilterSpec};
 use super::store::{GroupAdmin, DEFAULT_ACK_WAIT_MS};
 use super::view::{GroupView, MemberState, MembershipView, OwnedPartitions, PartitionPending, PinStatus};
-use crate::error::Error;
+use super::GroupError as Error;
 use crate::names::{GroupName, StreamName};
 use crate::names::{MemberRef, Owner};
 use crate::nats::errors::{is_not_found, unavailable_or_internal};
@@ -168,7 +168,7 @@ impl GroupAdmin {
         let pending = match counted {
             Ok(counts) => Some(counts),
             Err(e) => {
-                tracing::warn!(error = %e, %stream, %group, "could not count the group's backlog");
+                tracing::warn!(error = %e.report(), %stream, %group, "could not count the group's backlog");
                 None
             }
         };
@@ -287,12 +287,12 @@ impl GroupAdmin {
     async fn consumer_info(&self, stream: &str, consumer: &str) -> Result<Option<jetstream::consumer::Info>, Error> {
         let handle = match self.js.get_stream_no_info(stream).await {
             Ok(h) => h,
-            Err(e) => return Err(unavailable_or_internal("reading consumer", e)),
+            Err(e) => return Err(unavailable_or_internal("reading consumer", e).into()),
         };
         match handle.consumer_info(consumer).await {
             Ok(info) => Ok(Some(info)),
             Err(e) if is_not_found(&e) => Ok(None),
-            Err(e) => Err(unavailable_or_internal("reading consumer", e)),
+            Err(e) => Err(unavailable_or_internal("reading consumer", e).into()),
         }
     }
 }

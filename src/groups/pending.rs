@@ -12,7 +12,7 @@ use super::config::StaticGroupConfig;
 use super::spec::{GroupConfig, GroupKind};
 use super::store::GroupAdmin;
 use super::view::GroupView;
-use crate::error::Error;
+use super::{GroupError as Error, GroupErrorKind as Kind};
 use crate::names::{GroupName, StreamName};
 use crate::nats::errors::{is_not_found, unavailable_or_internal};
 
@@ -28,8 +28,9 @@ impl GroupAdmin {
         if view.kind != GroupKind::Static || instance_floors.is_empty() {
             return Ok(());
         }
-        let stream = StreamName::parse(&view.stream)?;
-        let group = GroupName::parse(&view.group)?;
+        let unreadable = |e| Error::new(Kind::Internal, "a group view's own names").caused_by(e);
+        let stream = StreamName::parse(&view.stream).map_err(unreadable)?;
+        let group = GroupName::parse(&view.group).map_err(unreadable)?;
         let GroupConfig::Static(config) = self.load(&stream, &group, Some(GroupKind::Static)).await?.config else {
             return Ok(());
         };
@@ -94,7 +95,7 @@ impl GroupAdmin {
         let handle = match self.js.get_stream(wq_stream).await {
             Ok(h) => h,
             Err(e) if is_not_found(&e) => return Ok(BTreeMap::new()),
-            Err(e) => return Err(unavailable_or_internal("reading work-queue stream", e)),
+            Err(e) => return Err(unavailable_or_internal("reading work-queue stream", e).into()),
         };
         let mut counts = BTreeMap::new();
         if handle.cached_info().state.messages == 0 {

@@ -9,7 +9,7 @@ use super::config::{
     validate_partitioning_filters, validate_static_filters, ElasticGroupConfig, MemberMapping, PartitioningFilter,
     StaticGroupConfig,
 };
-use crate::error::Error;
+use super::{GroupError as Error, GroupErrorKind as Kind};
 use crate::names::MemberName;
 
 /// Most partitions a group may have.
@@ -213,7 +213,7 @@ impl GroupConfig {
 impl GroupSpec {
     /// Checks the spec and builds the configuration pcgroups would store.
     pub fn into_config(self) -> Result<GroupConfig, Error> {
-        let bad = |msg: String| Err(Error::Invalid(msg));
+        let bad = |msg: String| Err(Error::new(Kind::InvalidSpec, msg));
         if self.partitions < 1 || self.partitions > MAX_PARTITIONS {
             return bad(format!("partitions must be between 1 and {MAX_PARTITIONS}"));
         }
@@ -227,7 +227,8 @@ impl GroupSpec {
             .into_iter()
             .map(|m| MemberMapping { member: m.member.to_string(), partitions: Some(m.partitions) })
             .collect();
-        validate_membership(self.partitions, &members, &mappings).map_err(|e| Error::Invalid(e.to_string()))?;
+        validate_membership(self.partitions, &members, &mappings)
+            .map_err(|e| Error::new(Kind::InvalidSpec, e.to_string()))?;
         match self.kind {
             GroupKind::Static => {
                 if self.partitioning_filters.is_some() {
@@ -237,7 +238,7 @@ impl GroupSpec {
                     return bad("max_buffered_msgs and max_buffered_bytes apply to elastic groups only".into());
                 }
                 let filters = self.filters.unwrap_or_default();
-                validate_static_filters(&filters).map_err(|e| Error::Invalid(e.to_string()))?;
+                validate_static_filters(&filters).map_err(|e| Error::new(Kind::InvalidSpec, e.to_string()))?;
                 Ok(GroupConfig::Static(StaticGroupConfig {
                     max_members: self.partitions,
                     filters,
@@ -256,7 +257,7 @@ impl GroupSpec {
                         .collect()
                 });
                 validate_partitioning_filters(partitioning_filters.as_deref().unwrap_or_default())
-                    .map_err(|e| Error::Invalid(e.to_string()))?;
+                    .map_err(|e| Error::new(Kind::InvalidSpec, e.to_string()))?;
                 let max_buffered_msgs = self.max_buffered_msgs.unwrap_or(0);
                 let max_buffered_bytes = self.max_buffered_bytes.unwrap_or(0);
                 if max_buffered_msgs < 0 || max_buffered_bytes < 0 {
@@ -323,6 +324,6 @@ mod tests {
     fn both_members_and_mappings_is_a_bad_request() {
         let err = spec(serde_json::json!({"kind":"static","partitions":1,"members":["a"],"mappings":[{"member":"a","partitions":[0]}]}))
             .unwrap_err();
-        assert!(matches!(err, crate::error::Error::Invalid(_)), "{err:?}");
+        assert_eq!(err.kind(), Kind::InvalidSpec, "{err:?}");
     }
 }

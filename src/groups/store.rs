@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use super::config::{config_key, go_json, validate_membership, ELASTIC_BUCKET, STATIC_BUCKET};
 use super::spec::{GroupConfig, GroupKind, GroupSpec, Ordering};
 use super::view::GroupSummary;
-use crate::error::Error;
+use super::{GroupError as Error, GroupErrorKind as Kind};
 use crate::names::{GroupName, StreamName};
 use crate::nats::buckets::{BucketSpec, Buckets, OpenBuckets};
 use crate::nats::errors::{stream_read_error, unavailable_or_internal};
@@ -83,20 +83,20 @@ impl GroupAdmin {
     }
 
     pub(super) async fn bucket(&self, name: &str) -> Result<Option<kv::Store>, Error> {
-        self.buckets.open(name).await
+        Ok(self.buckets.open(name).await?)
     }
 
     /// Bucket `name`, made with `replicas` (the group's stream's, as
     /// pcgroups does) when missing.
     pub(super) async fn bucket_or_create(&self, name: &str, replicas: usize) -> Result<kv::Store, Error> {
-        self.buckets.open_or_create(BucketSpec { replicas: Some(replicas), ..BucketSpec::state(name, "") }).await
+        Ok(self.buckets.open_or_create(BucketSpec { replicas: Some(replicas), ..BucketSpec::state(name, "") }).await?)
     }
 
     pub(super) async fn stream_info(&self, stream: &str) -> Result<stream::Info, Error> {
         match self.js.get_stream(stream).await {
             // Deleted between the two requests: as unknown as never created.
-            Ok(mut s) => s.info().await.cloned().map_err(|e| stream_read_error(stream, e)),
-            Err(e) => Err(stream_read_error(stream, e)),
+            Ok(mut s) => s.info().await.cloned().map_err(|e| stream_read_error(stream, e).into()),
+            Err(e) => Err(stream_read_error(stream, e).into()),
         }
     }
 
@@ -113,10 +113,10 @@ impl GroupAdmin {
             return Ok(None);
         }
         let config = parse_stored(kind, &entry.value).map_err(|why| {
-            Error::Unprocessable(format!(
-                "group {group} on {stream} has an invalid {} configuration: {why}",
-                kind.as_str()
-            ))
+            Error::new(
+                Kind::StoredConfigInvalid,
+                format!("group {group} on {stream} has an invalid {} configuration: {why}", kind.as_str()),
+            )
         })?;
         Ok(Some(StoredGroup { config, raw: entry.value, revision: entry.revision }))
     }
@@ -133,9 +133,9 @@ impl GroupAdmin {
         let reads = kinds.into_iter().map(|k| self.read(k, stream.as_str(), group.as_str()));
         let mut found: Vec<StoredGroup> = futures::future::try_join_all(reads).await?.into_iter().flatten().collect();
         match found.len() {
-            0 => Err(Error::NotFound(format!("group {group} not found on stream {stream}"))),
+            0 => Err(Error::new(Kind::NotFound, format!("group {group} not found on stream {stream}"))),
             1 => Ok(found.remove(0)),
-            _ => Err(Error::Conflict(format!(
+            _ => Err(Error::new(Kind::Ambiguous, format!(
                 "group {group} exists as both a static and an elastic group on {stream}; add ?kind=static or ?kind=elastic"
             ))),
         }
@@ -225,9 +225,9 @@ pub(super) fn sorted(items: &[String]) -> Vec<String> {
 
 pub(super) fn cas_error(what: &str, e: kv::UpdateError) -> Error {
     if e.kind() == kv::UpdateErrorKind::WrongLastRevision {
-        Error::Conflict("the group changed concurrently; read it again and retry".into())
+        Error::new(Kind::ChangedConcurrently, "the group changed concurrently; read it again and retry")
     } else {
-        unavailable_or_internal(what, e)
+        unavailable_or_internal(what, e).into()
     }
 }
 

@@ -13,10 +13,10 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use crate::cloudevents;
-use crate::error::Error;
 use crate::http::problem::{ApiError, Problem};
 use crate::names::StreamName;
 use crate::publish::{self, BatchRequest, HeaderValues, PublishAck, PublishRequest};
+use crate::publish::{PublishError as Error, PublishErrorKind};
 use crate::streams::StreamShape;
 use crate::telemetry::TraceContext;
 
@@ -180,7 +180,7 @@ pub async fn publish_message(
         record(&stream, &results, "single", started);
         results
             .pop()
-            .unwrap_or_else(|| Err(Error::Internal("no publish result".into())))
+            .unwrap_or_else(|| Err(Error::new(PublishErrorKind::Internal, "no publish result")))
             .map(Json)
             .map_err(ApiError::from)
     }
@@ -300,7 +300,7 @@ async fn store_batch(
 /// before the lookup, whether or not such a stream exists).
 async fn publishable_shape(state: &AppState, stream: &StreamName) -> Result<std::sync::Arc<StreamShape>, Error> {
     if let Some(why) = crate::streams::reserved_stream_name(stream.as_str()) {
-        return Err(Error::Reserved(why));
+        return Err(Error::new(PublishErrorKind::Reserved, why));
     }
-    state.streams.shape(stream).await
+    Ok(state.streams.shape(stream).await?)
 }

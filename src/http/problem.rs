@@ -1,6 +1,6 @@
 //! `ApiError`: the one place HTTP statuses are chosen, rendered as RFC 9457
-//! `application/problem+json`. Domain errors (`crate::error::Error`) become
-//! one here; the rest are the HTTP layer's own (tokens, scopes, origins,
+//! `application/problem+json`. Domain errors (`crate::error::Error<Kind>`)
+//! become one here, by their kind's class; the rest are the HTTP layer's own (tokens, scopes, origins,
 //! methods, media types).
 
 use axum::http::{header, StatusCode};
@@ -194,19 +194,22 @@ impl From<axum::extract::rejection::QueryRejection> for ApiError {
     }
 }
 
-impl From<crate::error::Error> for ApiError {
-    fn from(e: crate::error::Error) -> Self {
-        use crate::error::Error as E;
-        match e {
-            E::Invalid(detail) => Self::BadRequest(detail),
-            E::Reserved(detail) => Self::Reserved(detail),
-            E::NotFound(detail) => Self::NotFound(detail),
-            E::Conflict(detail) => Self::Conflict(detail),
-            E::TooLarge(detail) => Self::PayloadTooLarge(detail),
-            E::TooMany(detail) => Self::TooMany(detail),
-            E::Unprocessable(detail) => Self::Unprocessable(detail),
-            E::Unavailable(detail) => Self::Unavailable(detail),
-            E::Internal(detail) => Self::Internal(detail),
+/// A domain error answers by its class; the caller reads its message, and
+/// an internal error's causes go to the log only.
+impl<K: crate::error::Kind> From<crate::error::Error<K>> for ApiError {
+    fn from(e: crate::error::Error<K>) -> Self {
+        use crate::error::Class as C;
+        let detail = e.message().to_owned();
+        match e.class() {
+            C::Invalid => Self::BadRequest(detail),
+            C::Reserved => Self::Reserved(detail),
+            C::NotFound => Self::NotFound(detail),
+            C::Conflict => Self::Conflict(detail),
+            C::TooLarge => Self::PayloadTooLarge(detail),
+            C::TooMany => Self::TooMany(detail),
+            C::Unprocessable => Self::Unprocessable(detail),
+            C::Unavailable => Self::Unavailable(detail),
+            C::Internal => Self::Internal(e.report()),
         }
     }
 }

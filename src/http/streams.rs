@@ -90,7 +90,7 @@ pub async fn delete_stream(
 ) -> Result<StatusCode, ApiError> {
     let groups = match state.runtime.stores.groups.list(&stream).await {
         Ok(groups) => groups,
-        Err(crate::error::Error::NotFound(_)) => Vec::new(),
+        Err(e) if e.class() == crate::error::Class::NotFound => Vec::new(),
         Err(e) => return Err(e.into()),
     };
     if !groups.is_empty() && !query.cascade {

@@ -9,8 +9,8 @@ use std::time::Duration;
 use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
 
+use super::errors::BrokerError as Error;
 use super::errors::{is_not_found, unavailable_or_internal};
-use crate::error::Error;
 
 /// How long keygate waits for a bucket it has just made to answer: on a
 /// just-formed cluster a new replicated bucket has no leader for a moment,

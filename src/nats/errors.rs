@@ -9,8 +9,24 @@ use async_nats::jetstream::{self, context, kv, stream, ErrorCode};
 
 use crate::error::Error;
 
+/// What went wrong with the broker, below any domain: keygate's buckets,
+/// scans and stream reads. Domains take these in with `?`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BrokerErrorKind {
+    /// The stream read does not exist (or was deleted meanwhile).
+    StreamNotFound,
+    /// NATS or JetStream did not answer, or said "not now".
+    Unavailable,
+    /// Anything else the server or client answered; the cause is kept.
+    Internal,
+    Other(crate::error::Class),
+}
+crate::error::domain_kind!(BrokerErrorKind { StreamNotFound => NotFound });
+
+pub type BrokerError = Error<BrokerErrorKind>;
+
 /// What keygate needs to know of a broker error, read from its kind.
-pub trait BrokerError: std::error::Error + 'static {
+pub trait NatsFailure: std::error::Error + 'static {
     /// The JetStream API error the server answered with, if it did.
     fn jetstream(&self) -> Option<jetstream::Error>;
     /// Nobody answered: a time-out, no responders, JetStream offline.
@@ -26,7 +42,7 @@ pub trait KindClass {
     fn missing(&self) -> bool;
 }
 
-impl<K> BrokerError for NatsError<K>
+impl<K> NatsFailure for NatsError<K>
 where
     K: KindClass + Clone + std::fmt::Debug + std::fmt::Display + PartialEq + 'static,
 {
@@ -180,40 +196,41 @@ const NOT_NOW: [ErrorCode; 6] = [
 ];
 
 /// Whether retrying may succeed: nobody answered, or JetStream said "not now".
-pub fn is_transient(err: &impl BrokerError) -> bool {
+pub fn is_transient(err: &impl NatsFailure) -> bool {
     err.unanswered() || err.jetstream().is_some_and(|e| NOT_NOW.contains(&e.error_code()))
 }
 
 /// Maps an error from a NATS request to `Unavailable` when NATS or
 /// JetStream is not answering (retrying may succeed), otherwise to
-/// `Internal` with the cause kept for the log.
-pub fn unavailable_or_internal(what: &str, err: impl BrokerError) -> Error {
+/// `Internal`; either way async-nats's error is kept as the cause.
+pub fn unavailable_or_internal(what: &str, err: impl NatsFailure + Send + Sync) -> BrokerError {
     if is_transient(&err) {
         tracing::warn!(error = %err, "{what}: NATS did not answer");
-        Error::Unavailable(format!("{what}: NATS or JetStream did not answer; retry later"))
+        Error::new(BrokerErrorKind::Unavailable, format!("{what}: NATS or JetStream did not answer; retry later"))
+            .caused_by(err)
     } else {
-        Error::Internal(format!("{what}: {err}"))
+        Error::new(BrokerErrorKind::Internal, what).caused_by(err)
     }
 }
 
 /// The error for a failed read of stream `stream`: not found when it does
 /// not exist (also when it was deleted between two requests of one call),
 /// unavailable when NATS does not answer, else internal.
-pub fn stream_read_error(stream: &str, err: impl BrokerError) -> Error {
+pub fn stream_read_error(stream: &str, err: impl NatsFailure + Send + Sync) -> BrokerError {
     if is_not_found(&err) {
-        Error::NotFound(format!("stream {stream} not found"))
+        Error::new(BrokerErrorKind::StreamNotFound, format!("stream {stream} not found")).caused_by(err)
     } else {
         unavailable_or_internal("reading stream", err)
     }
 }
 
 /// The JetStream API error code the server answered with, if any.
-pub fn jetstream_error_code(err: &impl BrokerError) -> Option<u64> {
+pub fn jetstream_error_code(err: &impl NatsFailure) -> Option<u64> {
     err.jetstream().map(|e| e.error_code().0)
 }
 
 /// Whether the stream or consumer asked for does not exist.
-pub fn is_not_found(err: &impl BrokerError) -> bool {
+pub fn is_not_found(err: &impl NatsFailure) -> bool {
     err.missing() || matches!(jetstream_error_code(err), Some(codes::STREAM_NOT_FOUND | codes::CONSUMER_NOT_FOUND))
 }
 

@@ -16,7 +16,7 @@ use bytes::Bytes;
 use futures::{StreamExt as _, TryStreamExt as _};
 
 use super::errors::unavailable_or_internal;
-use crate::error::Error;
+use super::errors::{BrokerError as Error, BrokerErrorKind};
 
 /// How long one batched read may take before it counts as failed.
 const BATCH_READ_WAIT: Duration = Duration::from_secs(2);
@@ -52,7 +52,9 @@ pub async fn live_entries(
         for chunk in subjects.chunks(SUBJECTS_PER_READ) {
             let mut wanted = chunk.to_vec();
             loop {
-                let batch = last_values(js, store, &wanted).await.map_err(|e| Error::Unavailable(e.to_string()))?;
+                let batch = last_values(js, store, &wanted).await.map_err(|e| {
+                    Error::new(BrokerErrorKind::Unavailable, "listing keys: a batched read failed").caused_by(e)
+                })?;
                 let answered = batch.last.len();
                 wanted.retain(|subject| !batch.last.contains_key(subject_key(store, subject)));
                 last.extend(batch.last);
@@ -60,7 +62,10 @@ pub async fn live_entries(
                     break;
                 }
                 if answered == 0 {
-                    return Err(Error::Unavailable("listing keys: a batched read returned nothing".into()));
+                    return Err(Error::new(
+                        BrokerErrorKind::Unavailable,
+                        "listing keys: a batched read returned nothing",
+                    ));
                 }
             }
         }

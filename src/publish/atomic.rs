@@ -3,8 +3,8 @@
 
 use serde::Deserialize;
 
+use super::error::{PublishError as Error, PublishErrorKind as Kind};
 use super::{Prepared, PublishAck};
-use crate::error::Error;
 use crate::nats::errors::unavailable_or_internal;
 use crate::streams::StreamShape;
 
@@ -42,10 +42,10 @@ pub async fn publish_atomic(
 ) -> Result<Vec<PublishAck>, Error> {
     use async_nats::header::{NATS_BATCH_COMMIT, NATS_BATCH_ID, NATS_BATCH_SEQUENCE};
     if prepared.len() > MAX_ATOMIC_MESSAGES {
-        return Err(Error::TooLarge(format!(
-            "an atomic batch holds at most {MAX_ATOMIC_MESSAGES} messages, not {}",
-            prepared.len()
-        )));
+        return Err(Error::new(
+            Kind::TooLarge,
+            format!("an atomic batch holds at most {MAX_ATOMIC_MESSAGES} messages, not {}", prepared.len()),
+        ));
     }
     let batch_id = nats.new_inbox().rsplit('.').next().unwrap_or("batch").to_owned();
     let last = prepared.len();
@@ -76,7 +76,7 @@ pub async fn publish_atomic(
             continue;
         }
         let answer: AtomicAnswer = serde_json::from_slice(&answer.payload)
-            .map_err(|e| Error::Internal(format!("unreadable atomic batch answer: {e}")))?;
+            .map_err(|e| Error::new(Kind::Internal, "unreadable atomic batch answer").caused_by(e))?;
         if let Some(error) = answer.error {
             return Err(atomic_refusal(error));
         }
@@ -84,10 +84,11 @@ pub async fn publish_atomic(
             commit = Some(answer);
         }
     }
-    let commit = commit.ok_or_else(|| Error::Unavailable("the atomic batch was not committed; retry".into()))?;
+    let commit =
+        commit.ok_or_else(|| Error::new(Kind::NotAcknowledged, "the atomic batch was not committed; retry"))?;
     let count = commit.count.unwrap_or(last as u64);
     if count != last as u64 {
-        return Err(Error::Internal(format!("the server committed {count} of {last} messages")));
+        return Err(Error::new(Kind::Internal, format!("the server committed {count} of {last} messages")));
     }
     let first_seq = commit.seq + 1 - count;
     Ok(prepared
@@ -109,9 +110,10 @@ fn atomic_refusal(error: AtomicError) -> Error {
     /// Atomic publish is not enabled on the stream.
     const ATOMIC_DISABLED: u64 = 10174;
     match error.err_code {
-        ATOMIC_DISABLED => {
-            Error::Conflict("the stream does not allow atomic batches: create it with \"allow_atomic\": true".into())
-        }
-        _ => Error::Invalid(format!("the server refused the atomic batch: {}", error.description)),
+        ATOMIC_DISABLED => Error::new(
+            Kind::AtomicNotAllowed,
+            "the stream does not allow atomic batches: create it with \"allow_atomic\": true",
+        ),
+        _ => Error::new(Kind::AtomicRefused, format!("the server refused the atomic batch: {}", error.description)),
     }
 }

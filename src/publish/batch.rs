@@ -5,9 +5,9 @@ use std::collections::HashMap;
 
 use async_nats::jetstream::{self};
 
+use super::error::{PublishError as Error, PublishErrorKind as Kind};
 use super::send::{acknowledged, publish_error, stored_ack};
 use super::{Prepared, PublishAck};
-use crate::error::Error;
 use crate::streams::StreamShape;
 
 /// How many sent messages may wait for their ack before sending pauses.
@@ -107,10 +107,10 @@ pub async fn publish_all(
                 Ok((prepared, ack)) => {
                     let subject = prepared.subject.clone();
                     let result = match acknowledged(js, &prepared, ack, &resend_until).await {
-                        Ok(ack) if ack.stream != shape.name => Err(Error::Internal(format!(
-                            "message stored in stream {} instead of {}",
-                            ack.stream, shape.name
-                        ))),
+                        Ok(ack) if ack.stream != shape.name => Err(Error::new(
+                            Kind::Internal,
+                            format!("message stored in stream {} instead of {}", ack.stream, shape.name),
+                        )),
                         Ok(ack) if ack.duplicate => Ok(stored_ack(js, shape, ack.sequence, &prepared).await),
                         Ok(ack) => Ok(PublishAck {
                             stream: ack.stream,

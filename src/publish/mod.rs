@@ -6,11 +6,13 @@
 
 mod atomic;
 mod batch;
+mod error;
 mod prepare;
 mod send;
 
 pub use atomic::{publish_atomic, MAX_ATOMIC_MESSAGES};
 pub use batch::publish_all;
+pub use error::{PublishError, PublishErrorKind};
 pub use prepare::{prepare, Prepared};
 
 use std::collections::BTreeMap;

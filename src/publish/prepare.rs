@@ -9,8 +9,8 @@ use async_nats::HeaderMap;
 use base64::Engine as _;
 use bytes::Bytes;
 
+use super::error::{PublishError as Error, PublishErrorKind as Kind};
 use super::{HeaderValues, PublishRequest, Spread};
-use crate::error::Error;
 use crate::partition::{decode_key, encode_key, keyless_token, partition_of_tokens, SubjectPattern};
 use crate::streams::{reserved_subject, StreamShape};
 
@@ -43,9 +43,12 @@ impl Prepared {
         let size =
             self.payload.len() + self.subject.len() + header_bytes + super::REDRIVEN_FROM.len() + letter_id.len() + 4;
         if size > max_payload {
-            return Err(Error::TooLarge(format!(
-                "the redriven message would be {size} bytes with headers; the server accepts at most {max_payload}"
-            )));
+            return Err(Error::new(
+                Kind::TooLarge,
+                format!(
+                    "the redriven message would be {size} bytes with headers; the server accepts at most {max_payload}"
+                ),
+            ));
         }
         self.headers.insert(super::REDRIVEN_FROM, letter_id);
         Ok(self)
@@ -65,9 +68,9 @@ pub fn prepare(
     idempotency_key: Option<&str>,
     max_payload: usize,
 ) -> Result<Prepared, Error> {
-    let bad = |m: String| Error::Invalid(m);
+    let bad = |m: String| Error::new(Kind::InvalidMessage, m);
     if let Some(why) = &shape.reserved {
-        return Err(Error::Reserved(why.clone()));
+        return Err(Error::new(Kind::Reserved, why.clone()));
     }
     if request.spread.is_some() && request.key.is_some() {
         return Err(bad("spread is for keyless messages: a key decides its partition".into()));
@@ -93,7 +96,10 @@ pub fn prepare(
     };
 
     if reserved_subject(&subject) {
-        return Err(Error::Reserved(format!("subject {subject:?} is in a reserved subject space ($…, keygate.…)")));
+        return Err(Error::new(
+            Kind::Reserved,
+            format!("subject {subject:?} is in a reserved subject space ($…, keygate.…)"),
+        ));
     }
 
     let mut headers = HeaderMap::new();
@@ -163,9 +169,10 @@ pub fn prepare(
     }
     let size = payload.len() + header_bytes + subject.len();
     if size > max_payload {
-        return Err(Error::TooLarge(format!(
-            "the message is {size} bytes with headers; the server accepts at most {max_payload}"
-        )));
+        return Err(Error::new(
+            Kind::TooLarge,
+            format!("the message is {size} bytes with headers; the server accepts at most {max_payload}"),
+        ));
     }
     // The user's headers first (keeping repeated values), then keygate's own;
     // Nats-Expected-Stream makes the server refuse a subject that another
@@ -184,7 +191,7 @@ fn resolve_subject(
     subject: Option<&str>,
     random: bool,
 ) -> Result<(String, Option<String>), Error> {
-    let bad = |m: String| Error::Invalid(m);
+    let bad = |m: String| Error::new(Kind::InvalidMessage, m);
     let template = match subject {
         Some(s) => SubjectPattern::parse(s).map_err(|e| bad(e.to_string()))?,
         None => match shape.patterns.as_slice() {
@@ -238,9 +245,9 @@ fn resolve_subject(
 
 fn stamped_partition(shape: &StreamShape, subject: &str) -> Result<Option<u32>, Error> {
     let Some((source, spec)) = &shape.stamping else { return Ok(None) };
-    spec.partition_of_subject(source, subject)
-        .map(Some)
-        .ok_or_else(|| Error::Invalid(format!("subject {subject:?} is not stamped by stream {}", shape.name)))
+    spec.partition_of_subject(source, subject).map(Some).ok_or_else(|| {
+        Error::new(Kind::InvalidMessage, format!("subject {subject:?} is not stamped by stream {}", shape.name))
+    })
 }
 
 fn fill(template: &SubjectPattern, token: &str) -> String {
@@ -288,11 +295,14 @@ mod tests {
     fn publishing_to_reserved_state_is_refused_before_anything_is_sent() {
         let shape = StreamShape::from_config(&stream("KV_keygate-webhooks", &["$KV.keygate-webhooks.>"]));
         let request = message(serde_json::json!({"subject": "$KV.keygate-webhooks.S.g.m1", "data": {}}));
-        assert!(matches!(prepare(&shape, request, None, 1 << 20), Err(Error::Reserved(_))));
+        assert!(matches!(prepare(&shape, request, None, 1 << 20), Err(e) if e.kind() == Kind::Reserved));
         let open = StreamShape::from_config(&stream("WIDE", &[">"]));
         for subject in ["$KV.keygate-webhooks.S.g.m1", "$JS.API.STREAM.DELETE.X", "keygate.control.S.g.m"] {
             let request = message(serde_json::json!({"subject": subject, "data": 1}));
-            assert!(matches!(prepare(&open, request, None, 1 << 20), Err(Error::Reserved(_))), "{subject}");
+            assert!(
+                matches!(prepare(&open, request, None, 1 << 20), Err(e) if e.kind() == Kind::Reserved),
+                "{subject}"
+            );
         }
     }
 
@@ -309,7 +319,7 @@ mod tests {
             serde_json::json!({"x-ok": ["fine", "bad\r\nInjected: 1"]}),
         ] {
             assert!(
-                matches!(prepare(&shape, with(refused.clone()), None, 1 << 20), Err(Error::Invalid(_))),
+                matches!(prepare(&shape, with(refused.clone()), None, 1 << 20), Err(e) if e.kind() == Kind::InvalidMessage),
                 "{refused}"
             );
         }

@@ -5,9 +5,9 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, ErrorCode};
 
+use super::error::{PublishError as Error, PublishErrorKind as Kind};
 use super::{Prepared, PublishAck};
-use crate::error::Error;
-use crate::nats::errors::{unavailable_or_internal, BrokerError};
+use crate::nats::errors::{unavailable_or_internal, NatsFailure};
 use crate::partition::decode_key;
 use crate::streams::StreamShape;
 
@@ -105,27 +105,29 @@ pub(super) async fn stored_ack(js: &jetstream::Context, shape: &StreamShape, seq
 pub(super) fn publish_error(e: jetstream::context::PublishError) -> Error {
     use jetstream::context::PublishErrorKind as K;
     match e.kind() {
-        K::MaxPayloadExceeded => Error::TooLarge("the message exceeds the server's max_payload".into()),
-        K::StreamNotFound => Error::Unavailable("no stream answered for the subject; retry".into()),
+        K::MaxPayloadExceeded => Error::new(Kind::TooLarge, "the message exceeds the server's max_payload"),
+        K::StreamNotFound => Error::new(Kind::Unavailable, "no stream answered for the subject; retry"),
         K::TimedOut | K::BrokenPipe | K::MaxAckPending => {
             tracing::warn!(error = %e, "publish not acknowledged");
-            Error::Unavailable(
-                "JetStream did not acknowledge the message; retry, with msg_id to avoid duplicates".into(),
+            Error::new(
+                Kind::NotAcknowledged,
+                "JetStream did not acknowledge the message; retry, with msg_id to avoid duplicates",
             )
+            .caused_by(e)
         }
         _ => match e.jetstream().map(|js| js.error_code()) {
             Some(ErrorCode::STREAM_NOT_MATCH) => {
-                Error::Invalid("the subject belongs to another stream than the one named".into())
+                Error::new(Kind::WrongStream, "the subject belongs to another stream than the one named")
             }
             Some(ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM) => {
-                Error::TooLarge("the message exceeds the stream's max_msg_size".into())
+                Error::new(Kind::TooLarge, "the message exceeds the stream's max_msg_size")
             }
             // A limit with discard new: maximum messages, bytes or messages per subject.
             Some(ErrorCode::STREAM_STORE_FAILED) => {
                 tracing::warn!(error = %e, "stream refused a message");
-                Error::Unavailable("the stream is full (a limit with discard new); retry later".into())
+                Error::new(Kind::StreamFull, "the stream is full (a limit with discard new); retry later")
             }
-            _ => unavailable_or_internal("publishing", e),
+            _ => unavailable_or_internal("publishing", e).into(),
         },
     }
 }

@@ -221,18 +221,20 @@ async fn breaker_step(
                 // The count stays tripped; the next failures are the same
                 // endpoint failing, and the operator sees them as NAKs.
                 Err(e) => {
-                    tracing::warn!(member = %who.member, error = %e, "circuit breaker could not pause the member")
+                    tracing::warn!(member = %who.member, error = %e.report(), "circuit breaker could not pause the member")
                 }
             }
         }
         BreakerStep::ProbeSucceeded => match ctx.stores.pauses.resume(who).await {
             Ok(Some(_)) => events.push(Event::member_resumed(about, BREAKER)),
             Ok(None) => {}
-            Err(e) => tracing::warn!(member = %who.member, error = %e, "circuit breaker could not resume the member"),
+            Err(e) => {
+                tracing::warn!(member = %who.member, error = %e.report(), "circuit breaker could not resume the member")
+            }
         },
         BreakerStep::ProbeFailed => {
             if let Err(e) = ctx.stores.pauses.probe_failed(who).await {
-                tracing::warn!(member = %who.member, error = %e, "circuit breaker could not schedule its next probe");
+                tracing::warn!(member = %who.member, error = %e.report(), "circuit breaker could not schedule its next probe");
             }
         }
     }

@@ -170,7 +170,7 @@ async fn join_member(
     let stored = match Box::pin(ctx.stores.groups.load(&who.stream, &who.group, None)).await {
         Ok(g) => g,
         Err(e) => {
-            tracing::debug!(error = %e, "group not available; waiting");
+            tracing::debug!(error = %e.report(), "group not available; waiting");
             return Step::Retry(Duration::from_secs(1));
         }
     };

@@ -17,13 +17,28 @@ use tokio_util::task::TaskTracker;
 
 use crate::delivery::frames::ClientFrame;
 use crate::delivery::pull::{new_replica_tag, replica_of, PullEndpoint, PullStatus, PulledMessage};
-use crate::error::Error;
+use crate::error::Error as DomainError;
+
+/// What starting a pull instance can fail with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StartErrorKind {
+    /// This keygate runs as many pull instances as it may.
+    TooManyInstances,
+    Unavailable,
+    Internal,
+    Other(crate::error::Class),
+}
+crate::error::domain_kind!(StartErrorKind { TooManyInstances => TooMany });
+
+pub type StartError = DomainError<StartErrorKind>;
 use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
 use crate::runtime::endpoint::Endpoint;
 use crate::runtime::instance::serve;
 use crate::runtime::target::Target;
 use crate::runtime::Runtime;
 use crate::webhook::SubscriberOptions;
+use StartError as Error;
+use StartErrorKind as Kind;
 
 /// Where verdicts for another replica's deliveries go: `<prefix><replica tag>`.
 pub const FORWARD_PREFIX: &str = "keygate.pull.";
@@ -139,7 +154,7 @@ impl PullInstances {
             .client
             .subscribe(format!("{FORWARD_PREFIX}{replica}"))
             .await
-            .map_err(|e| Error::Unavailable(format!("subscribing for forwarded verdicts: {e}")))?;
+            .map_err(|e| Error::new(Kind::Unavailable, "subscribing for forwarded verdicts").caused_by(e))?;
         let instances =
             Self { inner: Arc::new(Inner { ctx, replica, running: Mutex::default(), max_instances, tasks, shutdown }) };
         instances.inner.tasks.spawn(instances.clone().answer_forwarded(forwarded));
@@ -163,13 +178,13 @@ impl PullInstances {
             return Ok(instance.clone());
         }
         if matches!(target, PullTarget::Subscriber { .. }) != options.subscriber.is_some() {
-            return Err(Error::Internal("subscribers, and only they, start with pull options".into()));
+            return Err(Error::new(Kind::Internal, "subscribers, and only they, start with pull options"));
         }
         if running.len() >= self.inner.max_instances {
-            return Err(Error::TooMany(format!(
-                "this keygate already runs {} pull instances (--pull-max-instances)",
-                self.inner.max_instances
-            )));
+            return Err(Error::new(
+                Kind::TooManyInstances,
+                format!("this keygate already runs {} pull instances (--pull-max-instances)", self.inner.max_instances),
+            ));
         }
         let closed = CancellationToken::new();
         let endpoint = Arc::new(PullEndpoint::new(

@@ -65,7 +65,7 @@ impl WindowShare {
         let announced = match live_entries(self.buckets.js(), &store, &format!("{}*", self.prefix)).await {
             Ok(announced) => announced,
             Err(e) => {
-                tracing::debug!(error = %e, "shuffle window: listing failed");
+                tracing::debug!(error = %e.report(), "shuffle window: listing failed");
                 return;
             }
         };

@@ -36,7 +36,7 @@ pub async fn sample_backlog(groups: GroupAdmin, nats: async_nats::Client, every:
                     {
                         Ok(view) => view,
                         Err(e) => {
-                            tracing::debug!(%stream, %group, error = %e, "backlog sample skipped a group");
+                            tracing::debug!(%stream, %group, error = %e.report(), "backlog sample skipped a group");
                             continue;
                         }
                     };
@@ -56,7 +56,7 @@ pub async fn sample_backlog(groups: GroupAdmin, nats: async_nats::Client, every:
                 }
                 reported = seen;
             }
-            Err(e) => tracing::debug!(error = %e, "backlog sample could not list groups"),
+            Err(e) => tracing::debug!(error = %e.report(), "backlog sample could not list groups"),
         }
         tokio::select! {
             () = cancel.cancelled() => return,

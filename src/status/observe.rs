@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 
 use crate::cluster::control::{ask, Control};
 use crate::cluster::replicas::Replicas;
-use crate::error::Error;
 use crate::groups::view::{BlockedView, GroupView, InstanceState};
+use crate::groups::GroupError as Error;
 use crate::groups::{GroupAdmin, GroupKind};
 use crate::names::MemberRef;
 use crate::names::{GroupName, MemberName, StreamName};
@@ -132,7 +132,7 @@ pub async fn observe(
     // from can count lower; the others would ask the server for nothing.
     floors.retain(|p, floor| counted_from.get(p).is_none_or(|counted| *floor > *counted));
     if let Err(e) = groups.recount_static_pending(&mut view, &floors).await {
-        tracing::warn!(%stream, %group, error = %e, "could not recount the backlog from instance floors");
+        tracing::warn!(%stream, %group, error = %e.report(), "could not recount the backlog from instance floors");
     }
     Ok(view)
 }

@@ -16,10 +16,45 @@ mod reserved;
 
 pub use reserved::{reserved_stream, reserved_stream_name, reserved_subject};
 
-use crate::error::Error;
+use crate::error::{flows_into, Error as DomainError};
+
+/// What creating, reading or deleting a stream can fail with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamErrorKind {
+    /// The stream's specification is invalid.
+    InvalidSpec,
+    NotFound,
+    /// A stream of that name exists with another configuration.
+    ExistsDifferently,
+    /// The subjects overlap another stream's.
+    SubjectsOverlap,
+    /// Another request created the stream meanwhile.
+    CreatedConcurrently,
+    /// JetStream cannot place the stream's replicas now.
+    CannotPlace,
+    /// The server refused the configuration (limits, replicas).
+    Refused,
+    Unavailable,
+    Internal,
+    Other(crate::error::Class),
+}
+crate::error::domain_kind!(StreamErrorKind {
+    InvalidSpec => Invalid,
+    NotFound => NotFound,
+    ExistsDifferently => Conflict,
+    SubjectsOverlap => Conflict,
+    CreatedConcurrently => Conflict,
+    CannotPlace => Unavailable,
+    Refused => Unprocessable,
+});
+flows_into!(StreamErrorKind: crate::nats::errors::BrokerErrorKind);
+
+pub type StreamError = DomainError<StreamErrorKind>;
 use crate::names::StreamName;
 use crate::nats::errors::{codes, is_not_found, jetstream_error_code, unavailable_or_internal};
 use crate::partition::{PartitionSpec, SubjectPattern, TransformSpelling};
+use StreamError as Error;
+use StreamErrorKind as Kind;
 
 /// Most partitions a stream may be stamped with.
 pub const MAX_PARTITIONS: u32 = 4096;
@@ -117,13 +152,13 @@ struct Planned {
 
 impl StreamSpec {
     fn plan(&self) -> Result<Planned, Error> {
-        let bad = |m: String| Err(Error::Invalid(m));
+        let bad = |m: String| Err(Error::new(Kind::InvalidSpec, m));
         if self.subjects.is_empty() {
             return bad("subjects must name at least one subject".into());
         }
         let mut patterns = Vec::new();
         for subject in &self.subjects {
-            let pattern = SubjectPattern::parse(subject).map_err(|e| Error::Invalid(e.to_string()))?;
+            let pattern = SubjectPattern::parse(subject).map_err(|e| Error::new(Kind::InvalidSpec, e.to_string()))?;
             if subject.starts_with('$') {
                 return bad(format!("subject {subject:?} is reserved for the system"));
             }
@@ -347,10 +382,10 @@ impl Streams {
         if let Some(info) = self.info(name).await? {
             let diff = spec.differences(&plan, &info.config);
             if !diff.is_empty() {
-                return Err(Error::Conflict(format!(
-                    "stream {name} exists with another configuration: {}",
-                    diff.join("; ")
-                )));
+                return Err(Error::new(
+                    Kind::ExistsDifferently,
+                    format!("stream {name} exists with another configuration: {}", diff.join("; ")),
+                ));
             }
             return Ok((StreamPutOutcome::Unchanged, view(&info)));
         }
@@ -358,16 +393,23 @@ impl Streams {
         match self.js.create_stream(config).await {
             Ok(mut created) => {
                 self.forget(name);
-                let info = created.info().await.map_err(|e| unavailable_or_internal("reading stream", e))?.clone();
+                let info = created
+                    .info()
+                    .await
+                    .map_err(|e| Error::from(unavailable_or_internal("reading stream", e)))?
+                    .clone();
                 Ok((StreamPutOutcome::Created, view(&info)))
             }
             Err(e) => Err(match jetstream_error_code(&e) {
-                Some(codes::SUBJECT_OVERLAP) => {
-                    Error::Conflict(format!("subjects {:?} overlap with another stream's subjects", spec.subjects))
+                Some(codes::SUBJECT_OVERLAP) => Error::new(
+                    Kind::SubjectsOverlap,
+                    format!("subjects {:?} overlap with another stream's subjects", spec.subjects),
+                ),
+                Some(codes::STREAM_NAME_IN_USE) => {
+                    Error::new(Kind::CreatedConcurrently, format!("stream {name} was created concurrently"))
                 }
-                Some(codes::STREAM_NAME_IN_USE) => Error::Conflict(format!("stream {name} was created concurrently")),
                 Some(codes::JETSTREAM_UNAVAILABLE | codes::NO_SUITABLE_PEERS) => {
-                    Error::Unavailable(format!("JetStream cannot place the stream now; retry: {e}"))
+                    Error::new(Kind::CannotPlace, "JetStream cannot place the stream now; retry").caused_by(e)
                 }
                 Some(code) => {
                     let field = match code {
@@ -377,9 +419,9 @@ impl Streams {
                         codes::REPLICAS_EXCEED_CLUSTER => "replicas: more than the cluster has servers",
                         _ => "the stream's configuration",
                     };
-                    Error::Unprocessable(format!("the server refused {field}: {e}"))
+                    Error::new(Kind::Refused, format!("the server refused {field}: {e}")).caused_by(e)
                 }
-                _ => unavailable_or_internal("creating stream", e),
+                _ => unavailable_or_internal("creating stream", e).into(),
             }),
         }
     }
@@ -388,13 +430,14 @@ impl Streams {
         match self.js.get_stream(name.as_str()).await {
             Ok(s) => Ok(Some(s.cached_info().clone())),
             Err(e) if is_not_found(&e) => Ok(None),
-            Err(e) => Err(unavailable_or_internal("reading stream", e)),
+            Err(e) => Err(unavailable_or_internal("reading stream", e).into()),
         }
     }
 
     /// One stream.
     pub async fn get(&self, name: &StreamName) -> Result<StreamView, Error> {
-        let info = self.info(name).await?.ok_or_else(|| Error::NotFound(format!("stream {name} not found")))?;
+        let info =
+            self.info(name).await?.ok_or_else(|| Error::new(Kind::NotFound, format!("stream {name} not found")))?;
         Ok(view(&info))
     }
 
@@ -420,8 +463,8 @@ impl Streams {
         self.forget(name);
         match self.js.delete_stream(name.as_str()).await {
             Ok(_) => Ok(()),
-            Err(e) if is_not_found(&e) => Err(Error::NotFound(format!("stream {name} not found"))),
-            Err(e) => Err(unavailable_or_internal("deleting stream", e)),
+            Err(e) if is_not_found(&e) => Err(Error::new(Kind::NotFound, format!("stream {name} not found"))),
+            Err(e) => Err(unavailable_or_internal("deleting stream", e).into()),
         }
     }
 
@@ -432,7 +475,8 @@ impl Streams {
                 return Ok(shape.clone());
             }
         }
-        let info = self.info(name).await?.ok_or_else(|| Error::NotFound(format!("stream {name} not found")))?;
+        let info =
+            self.info(name).await?.ok_or_else(|| Error::new(Kind::NotFound, format!("stream {name} not found")))?;
         let mut cache = self.shapes.lock().expect("shape cache");
         let fresh = Arc::new(StreamShape::from_config(&info.config));
         // Keep the round-robin position of a shape that did not change.

@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use super::destination::DestinationPolicy;
-use crate::error::Error;
+use super::{WebhookError as Error, WebhookErrorKind as Kind};
 
 /// Environment variables a registration may name start with this.
 pub const ENV_PREFIX: &str = "WEBHOOK_AUTH_";
@@ -94,7 +94,7 @@ fn refused_header(name: &str) -> Option<&'static str> {
 
 /// Checks a registration's static headers.
 pub fn check_headers(headers: &BTreeMap<String, String>) -> Result<(), Error> {
-    let bad = |m: String| Err(Error::Invalid(m));
+    let bad = |m: String| Err(Error::new(Kind::InvalidRegistration, m));
     if headers.len() > MAX_HEADERS {
         return bad(format!("headers takes at most {MAX_HEADERS} headers"));
     }
@@ -180,21 +180,23 @@ impl OutboundAuth {
     /// directory, variable names of the allowed shape, a token URL the
     /// destination policy allows. Secrets themselves are not read here.
     pub async fn check(&self, policy: &DestinationPolicy) -> Result<(), Error> {
-        let refuse = |m: String| Error::Unprocessable(m);
-        let invalid = |e: CredentialError| Error::Invalid(e.to_string());
+        let refuse = |kind: Kind| move |e: &dyn std::fmt::Display| Error::new(kind, e.to_string());
+        let invalid = |e: CredentialError| Error::new(Kind::InvalidRegistration, e.to_string());
         match self {
-            Self::BearerFile(path) => credential_file(policy, path).map(|_| ()).map_err(|e| refuse(e.to_string())),
+            Self::BearerFile(path) => {
+                credential_file(policy, path).map(|_| ()).map_err(|e| refuse(Kind::CredentialRefused)(&e))
+            }
             Self::BearerEnv(name) => check_env_name(name).map_err(invalid),
             Self::Oauth2(spec) => {
                 check_env_name(&spec.client_secret_env).map_err(invalid)?;
                 if spec.client_id.is_empty() || spec.client_id.len() > 256 {
-                    return Err(Error::Invalid("client_id must be 1 to 256 characters".into()));
+                    return Err(Error::new(Kind::InvalidRegistration, "client_id must be 1 to 256 characters"));
                 }
-                policy.check_url(&spec.token_url).await.map(|_| ()).map_err(|e| refuse(e.to_string()))
+                policy.check_url(&spec.token_url).await.map(|_| ()).map_err(|e| refuse(Kind::DestinationRefused)(&e))
             }
             Self::Mtls(spec) => {
                 for file in [Some(&spec.cert_file), Some(&spec.key_file), spec.ca_file.as_ref()].into_iter().flatten() {
-                    credential_file(policy, file).map_err(|e| refuse(e.to_string()))?;
+                    credential_file(policy, file).map_err(|e| refuse(Kind::CredentialRefused)(&e))?;
                 }
                 Ok(())
             }

@@ -20,3 +20,28 @@ pub use crate::delivery::verdict::{Backoff, MAX_RETRY_AFTER};
 pub use client::WebhookClient;
 pub use registration::*;
 pub use store::WebhookStore;
+
+/// What registering, reading or rotating a webhook can fail with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WebhookErrorKind {
+    /// A field of the registration is invalid.
+    InvalidRegistration,
+    /// The destination policy refuses the URL (or the token URL).
+    DestinationRefused,
+    /// A credential file outside the allowed directory, or unreadable.
+    CredentialRefused,
+    /// Another writer changed the registration meanwhile.
+    ChangedConcurrently,
+    Unavailable,
+    Internal,
+    Other(crate::error::Class),
+}
+crate::error::domain_kind!(WebhookErrorKind {
+    InvalidRegistration => Invalid,
+    DestinationRefused => Unprocessable,
+    CredentialRefused => Unprocessable,
+    ChangedConcurrently => Conflict,
+});
+crate::error::flows_into!(WebhookErrorKind: crate::nats::errors::BrokerErrorKind);
+
+pub type WebhookError = crate::error::Error<WebhookErrorKind>;

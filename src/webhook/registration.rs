@@ -10,8 +10,8 @@ use utoipa::ToSchema;
 
 use super::credentials::OutboundAuth;
 use super::signing::{SecretError, Signer};
+use super::{WebhookError as Error, WebhookErrorKind as Kind};
 use crate::delivery::verdict::Backoff;
-use crate::error::Error;
 
 /// KV bucket of webhook registrations, key `<stream>.<group>.<member>`.
 pub const WEBHOOKS_BUCKET: &str = "keygate-webhooks";
@@ -311,7 +311,7 @@ pub const DEFAULT_KEY_IN_FLIGHT: usize = 256;
 pub fn check_max_in_flight(max_in_flight: Option<usize>) -> Result<(), Error> {
     match max_in_flight {
         Some(n) if !(1..=MAX_IN_FLIGHT).contains(&n) => {
-            Err(Error::Invalid(format!("max_in_flight must be between 1 and {MAX_IN_FLIGHT}")))
+            Err(Error::new(Kind::InvalidRegistration, format!("max_in_flight must be between 1 and {MAX_IN_FLIGHT}")))
         }
         _ => Ok(()),
     }
@@ -334,9 +334,10 @@ impl RotateSecret {
     /// The overlap asked for, or why it is refused.
     pub fn overlap(&self) -> Result<Duration, Error> {
         match self.overlap_s.unwrap_or(3600) {
-            s if s > MAX_ROTATION_OVERLAP_S => {
-                Err(Error::Invalid(format!("overlap_s must be at most {MAX_ROTATION_OVERLAP_S} (a week)")))
-            }
+            s if s > MAX_ROTATION_OVERLAP_S => Err(Error::new(
+                Kind::InvalidRegistration,
+                format!("overlap_s must be at most {MAX_ROTATION_OVERLAP_S} (a week)"),
+            )),
             s => Ok(Duration::from_secs(s)),
         }
     }
@@ -344,7 +345,7 @@ impl RotateSecret {
 
 /// Refuses rate, breaker and retry settings keygate cannot apply.
 pub(super) fn check_protection(spec: &WebhookSpec) -> Result<(), Error> {
-    let bad = |m: &str| Err(Error::Invalid(m.to_owned()));
+    let bad = |m: &str| Err(Error::new(Kind::InvalidRegistration, m));
     match (spec.max_rate, spec.burst) {
         (Some(rate), _) if !(0.001..=100_000.0).contains(&rate) => {
             return bad("max_rate must be between 0.001 and 100000")

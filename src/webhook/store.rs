@@ -14,7 +14,7 @@ use super::registration::{
     CONSUMER_WEBHOOKS_BUCKET, WEBHOOKS_BUCKET,
 };
 use super::signing::SigningKey;
-use crate::error::Error;
+use super::{WebhookError as Error, WebhookErrorKind as Kind};
 use crate::nats::buckets::{BucketSpec, Buckets};
 use crate::nats::errors::{is_not_found, unavailable_or_internal};
 
@@ -40,7 +40,7 @@ impl WebhookStore {
 
     /// The bucket, created when missing.
     pub async fn bucket(&self) -> Result<kv::Store, Error> {
-        self.buckets.open_or_create(BucketSpec::state(self.bucket, "")).await
+        Ok(self.buckets.open_or_create(BucketSpec::state(self.bucket, "")).await?)
     }
 
     /// Registers or replaces a webhook. Returns whether it was new.
@@ -55,25 +55,29 @@ impl WebhookStore {
         spec: WebhookSpec,
         subscriber: Option<SubscriberOptions>,
     ) -> Result<(bool, Registration, Option<String>), Error> {
-        let url = self.policy.check_url(&spec.url).await.map_err(|e| Error::Unprocessable(e.to_string()))?;
+        let url =
+            self.policy.check_url(&spec.url).await.map_err(|e| Error::new(Kind::DestinationRefused, e.to_string()))?;
         let timeout_ms = spec.timeout_ms.unwrap_or(10_000);
         if !(1..=300_000).contains(&timeout_ms) {
-            return Err(Error::Invalid("timeout_ms must be between 1 and 300000".into()));
+            return Err(Error::new(Kind::InvalidRegistration, "timeout_ms must be between 1 and 300000"));
         }
         let max_attempts = spec.max_attempts.unwrap_or(10);
         if !(1..=1000).contains(&max_attempts) {
-            return Err(Error::Invalid("max_attempts must be between 1 and 1000".into()));
+            return Err(Error::new(Kind::InvalidRegistration, "max_attempts must be between 1 and 1000"));
         }
         let backoff = spec.backoff.unwrap_or_default();
         if backoff.initial_ms == 0 || backoff.max_ms < backoff.initial_ms {
-            return Err(Error::Invalid("backoff needs 0 < initial_ms <= max_ms".into()));
+            return Err(Error::new(Kind::InvalidRegistration, "backoff needs 0 < initial_ms <= max_ms"));
         }
         check_max_in_flight(spec.max_in_flight)?;
         if spec.max_in_flight.is_some() && subscriber.is_some() {
-            return Err(Error::Invalid("max_in_flight is for group members; a subscriber takes concurrency".into()));
+            return Err(Error::new(
+                Kind::InvalidRegistration,
+                "max_in_flight is for group members; a subscriber takes concurrency",
+            ));
         }
         if let Some(secret) = &spec.secret {
-            SigningKey::parse(secret).map_err(|e| Error::Invalid(e.to_string()))?;
+            SigningKey::parse(secret).map_err(|e| Error::new(Kind::InvalidRegistration, e.to_string()))?;
         }
         check_protection(&spec)?;
         if let Some(headers) = &spec.headers {
@@ -85,9 +89,10 @@ impl WebhookStore {
         let format = spec.format.unwrap_or_default();
         if let Some(event_type) = &spec.ce_type {
             if format != DeliveryFormat::Cloudevents {
-                return Err(Error::Invalid("ce_type goes with \"format\": \"cloudevents\"".into()));
+                return Err(Error::new(Kind::InvalidRegistration, "ce_type goes with \"format\": \"cloudevents\""));
             }
-            crate::cloudevents::check_event_type(event_type).map_err(|e| Error::Invalid(e.to_string()))?;
+            crate::cloudevents::check_event_type(event_type)
+                .map_err(|e| Error::new(Kind::InvalidRegistration, e.to_string()))?;
         }
         let store = self.bucket().await?;
         let existing = self.read(&store, key).await?;
@@ -141,7 +146,7 @@ impl WebhookStore {
         match self.js.get_key_value(self.bucket).await {
             Ok(store) => self.read(&store, key).await,
             Err(e) if is_not_found(&e) => Ok(None),
-            Err(e) => Err(unavailable_or_internal("reading webhook", e)),
+            Err(e) => Err(unavailable_or_internal("reading webhook", e).into()),
         }
     }
 
@@ -151,7 +156,7 @@ impl WebhookStore {
         let store = match self.js.get_key_value(self.bucket).await {
             Ok(store) => store,
             Err(e) if is_not_found(&e) => return Ok(0),
-            Err(e) => return Err(unavailable_or_internal("reading webhooks", e)),
+            Err(e) => return Err(unavailable_or_internal("reading webhooks", e).into()),
         };
         let registered = crate::nats::kv_scan::live_entries(&self.js, &store, &format!("{prefix}>")).await?;
         let mut removed = 0;
@@ -180,9 +185,9 @@ impl WebhookStore {
         match store.update(key, bytes, entry.revision).await {
             Ok(_) => Ok(Some((registration, new))),
             Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
-                Err(Error::Conflict("the registration changed meanwhile; rotate again".into()))
+                Err(Error::new(Kind::ChangedConcurrently, "the registration changed meanwhile; rotate again"))
             }
-            Err(e) => Err(unavailable_or_internal("storing webhook", e)),
+            Err(e) => Err(unavailable_or_internal("storing webhook", e).into()),
         }
     }
 

@@ -77,5 +77,5 @@ async fn a_stream_deleted_between_two_reads_is_not_found() {
     app.js.delete_stream("GONE").await.unwrap();
     let err = handle.info().await.map(|_| ()).unwrap_err();
     let answer = keygate::nats::errors::stream_read_error("GONE", err);
-    assert!(matches!(answer, keygate::error::Error::NotFound(_)), "{answer:?}");
+    assert_eq!(answer.kind(), keygate::nats::errors::BrokerErrorKind::StreamNotFound, "{answer:?}");
 }
