@@ -26,6 +26,7 @@ use crate::streams::{StreamPutOutcome, StreamSpec, StreamView};
         (status = 200, description = "an identical stream exists", body = StreamView),
         (status = 400, description = "invalid", body = Problem, content_type = "application/problem+json"),
         (status = 409, description = "exists with another configuration", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "the server refused the configuration (storage or memory limits, more replicas than servers)", body = Problem, content_type = "application/problem+json"),
         (status = 503, description = "NATS unavailable", body = Problem, content_type = "application/problem+json")
     )
 )]

@@ -91,7 +91,8 @@ pub struct StreamSpec {
     #[serde(default)]
     #[schema(minimum = 1, maximum = 5)]
     pub replicas: Option<usize>,
-    /// Discard messages older than this (0 or omitted: keep).
+    /// Discard messages older than this (0 or omitted: keep); at least
+    /// 100, the server's shortest.
     #[serde(default)]
     pub max_age_ms: Option<u64>,
     /// Keep at most this many messages (omitted: no limit).
@@ -143,6 +144,9 @@ pub struct StreamView {
     pub created: OffsetDateTime,
 }
 
+/// The shortest message age JetStream accepts as a limit.
+const MIN_MAX_AGE_MS: u64 = 100;
+
 /// What a checked spec asks JetStream for.
 #[derive(Debug, Clone, PartialEq)]
 struct Planned {
@@ -163,6 +167,11 @@ impl StreamSpec {
                 return bad(format!("subject {subject:?} is reserved for the system"));
             }
             patterns.push(pattern);
+        }
+        if self.max_age_ms.is_some_and(|ms| (1..MIN_MAX_AGE_MS).contains(&ms)) {
+            return bad(format!(
+                "max_age_ms must be 0 (keep messages) or at least {MIN_MAX_AGE_MS} (the server's shortest)"
+            ));
         }
         let mut unique = self.subjects.clone();
         unique.sort();
@@ -561,6 +570,7 @@ mod tests {
             serde_json::json!({"subjects":["a b"]}),
             serde_json::json!({"subjects":["a.*","a.*"]}),
             serde_json::json!({"subjects":["$JS.x"]}),
+            serde_json::json!({"subjects":["a.*"],"max_age_ms":10}),
         ] {
             assert!(spec(bad.clone()).plan().is_err(), "{bad}");
         }
