@@ -50,6 +50,9 @@ struct Sink {
     /// Keys whose arrivals are also kept apart (a poison key's neighbours).
     watched: Arc<std::collections::HashSet<String>>,
     watched_arrivals: Arc<Mutex<Vec<Instant>>>,
+    /// Requests being answered now, and the most at once.
+    in_flight: Arc<AtomicU64>,
+    most_in_flight: Arc<AtomicU64>,
 }
 
 impl Sink {
@@ -63,6 +66,8 @@ impl Sink {
             poison: None,
             watched: Arc::default(),
             watched_arrivals: Arc::default(),
+            in_flight: Arc::default(),
+            most_in_flight: Arc::default(),
         }
     }
 
@@ -70,6 +75,9 @@ impl Sink {
         let app = Router::new().fallback(move |headers: HeaderMap| {
             let sink = self.clone();
             async move {
+                let now = sink.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
+                sink.most_in_flight.fetch_max(now, Ordering::Relaxed);
+                let _leaving = InFlight(sink.in_flight.clone());
                 if !sink.work.is_zero() {
                     let work = sink.work;
                     let _ = tokio::task::spawn_blocking(move || std::thread::sleep(work)).await;
@@ -119,6 +127,15 @@ impl Sink {
         let arrivals = self.arrivals.lock().unwrap();
         let (first, last) = (arrivals.first().unwrap(), arrivals.last().unwrap());
         (arrivals.len() - 1) as f64 / (*last - *first).as_secs_f64()
+    }
+}
+
+/// Counts a request out of the sink's in-flight count when its answer is made.
+struct InFlight(Arc<AtomicU64>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -265,6 +282,62 @@ async fn keygate_ordered(
     rate
 }
 
+/// What the user's path measured: the rate from the first delivery to the
+/// last, the most deliveries the receiver saw at once, and keygate's CPU
+/// time over that span as a share of one core.
+struct UserPath {
+    rate: f64,
+    most_in_flight: u64,
+    cpu_share: f64,
+}
+
+/// The user's path, in the user's order: a stream made through keygate
+/// with 16 partitions, a backlog of `keys`' messages published through its
+/// REST API in batches of 100, and only then a static group and its
+/// member's webhook. keygate runs alone as its own process, on a
+/// nats-server of its own, so that its CPU time is what it spent.
+async fn user_path(http: &reqwest::Client, url: &str, sink: &Sink, keys: &[u64], ordering: &str) -> UserPath {
+    let nats = support::NatsServer::start();
+    let keygate = support::KeygateProcess::for_bench(&NatsEndpoint::open(&nats.url()), None);
+    keygate.wait_ready(http).await;
+    let base = &keygate.base;
+    let put = |path: &str, body: Value| http.put(format!("{base}{path}")).json(&body).send();
+    let _ = http.delete(format!("{base}/v1/streams/USER")).send().await;
+    let r = put("/v1/streams/USER", json!({"subjects":["user.*"],"partitions":PARTITIONS})).await.unwrap();
+    assert!(r.status().is_success(), "{}", r.text().await.unwrap());
+    for (at, chunk) in keys.chunks(100).enumerate() {
+        let messages: Vec<Value> = chunk
+            .iter()
+            .enumerate()
+            .map(|(i, k)| json!({"key": format!("k{k}"), "data": {"n": at * 100 + i}}))
+            .collect();
+        let r = http
+            .post(format!("{base}/v1/streams/USER/messages/batch"))
+            .json(&json!({"messages": messages}))
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success(), "{}", r.text().await.unwrap());
+    }
+    sink.done.store(0, Ordering::Relaxed);
+    sink.most_in_flight.store(0, Ordering::Relaxed);
+    let group = json!({"kind":"static","partitions":PARTITIONS,"members":["m"],"ordering":ordering});
+    let r = put("/v1/streams/USER/groups/g", group).await.unwrap();
+    assert!(r.status().is_success(), "{}", r.text().await.unwrap());
+    let r = put("/v1/streams/USER/groups/g/members/m/webhook", json!({"url": url})).await.unwrap();
+    assert!(r.status().is_success(), "{}", r.text().await.unwrap());
+    // keygate's CPU from the first delivery to the last.
+    while sink.done.load(Ordering::Relaxed) == 0 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let (cpu_before, started) = (keygate.cpu_seconds(), Instant::now());
+    sink.wait_for(keys.len() as u64, Duration::from_secs(600)).await;
+    let cpu_share = (keygate.cpu_seconds() - cpu_before) / started.elapsed().as_secs_f64();
+    let _ = http.delete(format!("{base}/v1/streams/USER")).send().await;
+    keygate.terminate().await;
+    UserPath { rate: sink.rate(), most_in_flight: sink.most_in_flight.load(Ordering::Relaxed), cpu_share }
+}
+
 /// Two keygate processes serve one member; messages flow at a steady rate;
 /// the pinned one is killed. Returns (seconds until deliveries resume, reorders).
 async fn failover(nats: &NatsEndpoint, http: &reqwest::Client, js: &jetstream::Context) -> (f64, u64) {
@@ -397,11 +470,25 @@ async fn main() -> anyhow::Result<()> {
     let rig = support::Rig::start().await?;
     let (js, http) = (rig.js.clone(), rig.http.clone());
     let uniform = key_sequence(n, false);
+    if let Ok(ordering) = std::env::var("KEYGATE_BENCH_USER_PATH") {
+        let sink = Sink::new(Duration::ZERO);
+        let url = sink.clone().serve().await;
+        let user = user_path(&http, &url, &sink, &uniform, &ordering).await;
+        println!(
+            "keygate, {ordering} ordering, user's path, instant receiver: {:.0} msg/s, at most {} in flight, keygate at {:.0}% of a core",
+            user.rate,
+            user.most_in_flight,
+            user.cpu_share * 100.0
+        );
+        rig.stop().await;
+        return Ok(());
+    }
     if let Ok(ordering) = std::env::var("KEYGATE_BENCH_PROFILE") {
         let sink = Sink::new(Duration::ZERO);
         let url = sink.clone().serve().await;
         let rate = keygate_ordered(&rig, &url, &sink, &uniform, &ordering, json!({})).await;
-        println!("keygate, {ordering} ordering, instant receiver: {rate:.0} msg/s");
+        let most = sink.most_in_flight.load(Ordering::Relaxed);
+        println!("keygate, {ordering} ordering, instant receiver: {rate:.0} msg/s, at most {most} in flight");
         rig.stop().await;
         return Ok(());
     }
