@@ -15,7 +15,9 @@
 //! in alternating rounds and prints the median and the spread.
 //!
 //! `cargo bench --bench publish`; env `KEYGATE_BENCH_MESSAGES` (per
-//! throughput round, default 40000), `KEYGATE_BENCH_ROUNDS` (default 3).
+//! throughput round, default 40000), `KEYGATE_BENCH_ROUNDS` (default 3);
+//! `KEYGATE_BENCH_PROFILE=single|batch|one-key` runs only keygate's 64
+//! clients, distinct-key batches or one-key batches, for a profiler.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -299,6 +301,18 @@ async fn main() -> anyhow::Result<()> {
             batch: format!("{base}/v1/streams/REST/messages/batch"),
         },
     ];
+    if let Ok(what) = std::env::var("KEYGATE_BENCH_PROFILE") {
+        let keygate = &targets[2];
+        reset(&js, keygate.stream()).await;
+        let rate = match what.as_str() {
+            "single" => concurrent_rate(keygate, &http, n).await,
+            "batch" => batch_rate(keygate, &http, n, false).await,
+            _ => batch_rate(keygate, &http, n, true).await,
+        };
+        println!("keygate {what}: {rate:.0} per second");
+        rig.stop().await;
+        return Ok(());
+    }
     for target in &targets {
         reset(&js, target.stream()).await;
         batch_rate(target, &http, 2_000, false).await;
