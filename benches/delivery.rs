@@ -8,6 +8,9 @@
 //!   1,000 keys drawn uniformly and Zipf-like (s = 1), beside the raw
 //!   partition-serial consumer and a raw consumer with the member's filters
 //!   that keeps 256 messages in flight (no order: the server's ceiling);
+//! - the user's order (a backlog published through keygate's REST API
+//!   first, then the member registers), keygate as its own process with
+//!   its CPU share, against the raw consumers on the same backlog;
 //! - a poison key: the rate of its partition's other keys with and without it;
 //! - memory: a million distinct keys through one member of a keygate process;
 //! - the failover time when the pinned keygate process is killed.
@@ -15,7 +18,9 @@
 //! `cargo bench --bench delivery` (env `KEYGATE_BENCH_MESSAGES`, default
 //! 20000; `KEYGATE_BENCH_DISTINCT_KEYS`, default 1000000, 0 skips it;
 //! `KEYGATE_BENCH_PROFILE=partition|key` runs only keygate's delivery with
-//! an instant receiver in that ordering, for a profiler).
+//! an instant receiver in that ordering, for a profiler;
+//! `KEYGATE_BENCH_USER_PATH=partition|key` runs only the user's order, with
+//! `KEYGATE_BENCH_WORK_MS` of work per request, default 0).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -282,27 +287,32 @@ async fn keygate_ordered(
     rate
 }
 
-/// What the user's path measured: the rate from the first delivery to the
-/// last, the most deliveries the receiver saw at once, and keygate's CPU
-/// time over that span as a share of one core.
+/// What the user's path measured: keygate's rate from the first delivery
+/// to the last, the most deliveries the receiver saw at once, keygate's CPU
+/// time over that span as a share of one core, and the raw baseline's rate
+/// over the same backlog.
 struct UserPath {
     rate: f64,
     most_in_flight: u64,
     cpu_share: f64,
+    raw: f64,
 }
 
 /// The user's path, in the user's order: a stream made through keygate
 /// with 16 partitions, a backlog of `keys`' messages published through its
 /// REST API in batches of 100, and only then a static group and its
 /// member's webhook. keygate runs alone as its own process, on a
-/// nats-server of its own, so that its CPU time is what it spent.
-async fn user_path(http: &reqwest::Client, url: &str, sink: &Sink, keys: &[u64], ordering: &str) -> UserPath {
+/// nats-server of its own, so that its CPU time is what it spent. Then the
+/// raw baseline consumes the same backlog on the same server: partition
+/// ordering against the partition-serial consumer with the member's
+/// filters, key ordering against a consumer with 256 deliveries in flight.
+async fn user_path(http: &reqwest::Client, work: Duration, keys: &[u64], ordering: &str) -> UserPath {
     let nats = support::NatsServer::start();
-    let keygate = support::KeygateProcess::for_bench(&NatsEndpoint::open(&nats.url()), None);
+    let endpoint = NatsEndpoint::open(&nats.url());
+    let keygate = support::KeygateProcess::for_bench(&endpoint, None);
     keygate.wait_ready(http).await;
     let base = &keygate.base;
     let put = |path: &str, body: Value| http.put(format!("{base}{path}")).json(&body).send();
-    let _ = http.delete(format!("{base}/v1/streams/USER")).send().await;
     let r = put("/v1/streams/USER", json!({"subjects":["user.*"],"partitions":PARTITIONS})).await.unwrap();
     assert!(r.status().is_success(), "{}", r.text().await.unwrap());
     for (at, chunk) in keys.chunks(100).enumerate() {
@@ -319,8 +329,8 @@ async fn user_path(http: &reqwest::Client, url: &str, sink: &Sink, keys: &[u64],
             .unwrap();
         assert!(r.status().is_success(), "{}", r.text().await.unwrap());
     }
-    sink.done.store(0, Ordering::Relaxed);
-    sink.most_in_flight.store(0, Ordering::Relaxed);
+    let sink = Sink::new(work);
+    let url = sink.clone().serve().await;
     let group = json!({"kind":"static","partitions":PARTITIONS,"members":["m"],"ordering":ordering});
     let r = put("/v1/streams/USER/groups/g", group).await.unwrap();
     assert!(r.status().is_success(), "{}", r.text().await.unwrap());
@@ -333,9 +343,37 @@ async fn user_path(http: &reqwest::Client, url: &str, sink: &Sink, keys: &[u64],
     let (cpu_before, started) = (keygate.cpu_seconds(), Instant::now());
     sink.wait_for(keys.len() as u64, Duration::from_secs(600)).await;
     let cpu_share = (keygate.cpu_seconds() - cpu_before) / started.elapsed().as_secs_f64();
-    let _ = http.delete(format!("{base}/v1/streams/USER")).send().await;
+    assert_eq!(sink.reorders.load(Ordering::Relaxed), 0, "no per-key reorder");
+    let _ = http.delete(format!("{base}/v1/streams/USER/groups/g")).send().await;
     keygate.terminate().await;
-    UserPath { rate: sink.rate(), most_in_flight: sink.most_in_flight.load(Ordering::Relaxed), cpu_share }
+
+    let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    let raw_sink = Sink::new(work);
+    let raw_url = raw_sink.clone().serve().await;
+    let consumer = support::baseline_consumer(&js, "USER", PARTITIONS, true).await;
+    let client = reqwest::Client::new();
+    let pump = if ordering == "key" {
+        use futures::StreamExt;
+        let messages = consumer.messages().await.unwrap();
+        tokio::spawn(messages.for_each_concurrent(256, move |message| {
+            let (client, url) = (client.clone(), raw_url.clone());
+            async move {
+                if let Ok(message) = message {
+                    raw_post(client, url, message).await;
+                }
+            }
+        }))
+    } else {
+        support::serial_lanes(consumer, PARTITIONS, move |m| raw_post(client.clone(), raw_url.clone(), m)).await
+    };
+    raw_sink.wait_for(keys.len() as u64, Duration::from_secs(600)).await;
+    pump.abort();
+    UserPath {
+        rate: sink.rate(),
+        most_in_flight: sink.most_in_flight.load(Ordering::Relaxed),
+        cpu_share,
+        raw: raw_sink.rate(),
+    }
 }
 
 /// Two keygate processes serve one member; messages flow at a steady rate;
@@ -471,14 +509,18 @@ async fn main() -> anyhow::Result<()> {
     let (js, http) = (rig.js.clone(), rig.http.clone());
     let uniform = key_sequence(n, false);
     if let Ok(ordering) = std::env::var("KEYGATE_BENCH_USER_PATH") {
-        let sink = Sink::new(Duration::ZERO);
-        let url = sink.clone().serve().await;
-        let user = user_path(&http, &url, &sink, &uniform, &ordering).await;
+        let work = Duration::from_millis(support::env_or("KEYGATE_BENCH_WORK_MS", 0));
+        let user = user_path(&http, work, &uniform, &ordering).await;
+        let baseline = if ordering == "key" { "raw, 256 in flight" } else { "raw partition-serial, member's filters" };
         println!(
-            "keygate, {ordering} ordering, user's path, instant receiver: {:.0} msg/s, at most {} in flight, keygate at {:.0}% of a core",
+            "{ordering} ordering, user's path, receiver work {} ms: keygate {:.0} msg/s ({} at most in flight at the \
+             receiver, keygate at {:.0}% of a core), {baseline} {:.0} msg/s, ratio {:.2}x",
+            work.as_millis(),
             user.rate,
             user.most_in_flight,
-            user.cpu_share * 100.0
+            user.cpu_share * 100.0,
+            user.raw,
+            user.rate / user.raw
         );
         rig.stop().await;
         return Ok(());
@@ -524,6 +566,24 @@ async fn main() -> anyhow::Result<()> {
             kg / raw[0]
         );
         assert_eq!(reorders, 0, "no per-key reorder");
+    }
+
+    println!();
+    println!("the user's order: a backlog published through keygate first, then the member registers (keygate as its own process)");
+    println!("| ordering | receiver | raw baseline | raw | keygate | keygate / raw | keygate CPU | target |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for (ordering, baseline, target) in [
+        ("partition", "partition-serial, member's filters", "≥ 0.7×"),
+        ("key", "256 in flight, member's filters", "≥ 0.9×"),
+    ] {
+        let user = user_path(&http, Duration::ZERO, &uniform, ordering).await;
+        println!(
+            "| {ordering} | answers at once | {baseline} | {:.0} msg/s | {:.0} msg/s | {:.2}× | {:.0}% of a core | {target} |",
+            user.raw,
+            user.rate,
+            user.rate / user.raw,
+            user.cpu_share * 100.0
+        );
     }
 
     println!();

@@ -21,9 +21,23 @@ use crate::streams::Streams;
 /// How long shutdown waits for running requests.
 const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(20);
 
-/// Cheap handles every request needs.
+/// What every request may use, behind one `Arc`: axum clones the state
+/// for each middleware and handler of a request, and a clone of the parts
+/// themselves (NATS clients, JetStream contexts) cost a fifth of a single
+/// publish's CPU in a profile (BENCHMARKS.md, publishing).
 #[derive(Clone)]
-pub struct AppState {
+pub struct AppState(Arc<AppStateInner>);
+
+impl std::ops::Deref for AppState {
+    type Target = AppStateInner;
+
+    fn deref(&self) -> &AppStateInner {
+        &self.0
+    }
+}
+
+/// The handles behind [`AppState`].
+pub struct AppStateInner {
     pub settings: Arc<Settings>,
     /// What keygate runs on: NATS, its stores, the cluster (src/runtime/mod.rs).
     pub runtime: Arc<Runtime>,
@@ -76,7 +90,7 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
     let pulls =
         PullInstances::start(runtime.clone(), settings.pull_max_instances, connections.clone(), shutdown.child_token())
             .await?;
-    let state = AppState {
+    let state = AppState(Arc::new(AppStateInner {
         streams: Streams::new(runtime.broker.js.clone()),
         consumers: crate::consumers::Consumers::new(runtime.broker.js.clone(), runtime.stores.groups.clone()),
         settings: Arc::new(settings),
@@ -86,7 +100,7 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
         sockets_per_member: Default::default(),
         verifier: verifier.map(Arc::new),
         shutdown: shutdown.clone(),
-    };
+    }));
     // Members wind down as soon as shutdown starts, beside the HTTP drain.
     let members_token = shutdown.child_token();
     // Replicas know each other and share the webhook members' pins.

@@ -78,22 +78,54 @@ pub struct Outcome {
     pub gone: bool,
 }
 
+/// One instance's delivery metrics, looked up once: building their labels
+/// and finding them in the registry for every delivery showed in a profile.
+pub struct DeliveryMetrics {
+    endpoint_seconds: metrics::Histogram,
+    redeliveries: metrics::Counter,
+    /// By verdict: ack, nak, term.
+    deliveries: [metrics::Counter; 3],
+}
+
+impl DeliveryMetrics {
+    pub fn of(who: &MemberRef) -> Self {
+        use crate::telemetry::metrics::{DELIVERIES, ENDPOINT_SECONDS, REDELIVERIES};
+        let labels = [("stream", who.stream.to_string()), ("group", who.group.to_string())];
+        let with_verdict = |verdict: &'static str| {
+            let mut labels = labels.to_vec();
+            labels.push(("verdict", verdict.to_owned()));
+            metrics::counter!(DELIVERIES, &labels)
+        };
+        Self {
+            endpoint_seconds: metrics::histogram!(ENDPOINT_SECONDS, &labels),
+            redeliveries: metrics::counter!(REDELIVERIES, &labels),
+            deliveries: [with_verdict("ack"), with_verdict("nak"), with_verdict("term")],
+        }
+    }
+}
+
 /// A WebSocket or pull client's verdict, its wait recorded: the time until
 /// the client's verdict is the endpoint's latency.
 fn client_answered(
     span: &tracing::Span,
     called: std::time::Instant,
-    labels: &[(&'static str, String); 2],
+    metrics: &DeliveryMetrics,
     judgement: Judgement,
 ) -> Judgement {
     span.record("endpoint_ms", called.elapsed().as_secs_f64() * 1000.0);
-    metrics::histogram!(crate::telemetry::metrics::ENDPOINT_SECONDS, labels).record(called.elapsed().as_secs_f64());
+    metrics.endpoint_seconds.record(called.elapsed().as_secs_f64());
     judgement
 }
 
 /// One delivery: call the endpoint, apply its verdict to the message.
-pub async fn deliver(ctx: Arc<Runtime>, who: MemberRef, endpoint: Arc<Endpoint>, held: Held, fencing: u64) -> Outcome {
-    let labels = [("stream", who.stream.to_string()), ("group", who.group.to_string())];
+pub async fn deliver(
+    ctx: Arc<Runtime>,
+    who: MemberRef,
+    endpoint: Arc<Endpoint>,
+    held: Held,
+    fencing: u64,
+    metrics: &DeliveryMetrics,
+) -> Outcome {
     let span = tracing::info_span!("deliver", "otel.kind" = "client", stream = %who.stream, group = %who.group,
         member = %who.member, partition = held.partition, seq = held.origin_seq, attempt = held.attempt,
         verdict = tracing::field::Empty, endpoint_ms = tracing::field::Empty);
@@ -110,24 +142,23 @@ pub async fn deliver(ctx: Arc<Runtime>, who: MemberRef, endpoint: Arc<Endpoint>,
             reason: "not sent: the circuit breaker is open and the member is pausing".into(),
         },
         Endpoint::Webhook(webhook) => {
-            let WebhookEndpoint { registration, signer, protection, credentials } = &**webhook;
+            let WebhookEndpoint { registration, url, signer, protection, credentials } = &**webhook;
             protection.wait_turn().await;
             let trace = TraceContext::of_span(&span);
             let request = crate::webhook::request::outbound(registration, &who, &held, fencing, trace.as_ref());
             let sent = std::time::Instant::now();
-            let judgement = ctx.webhook_client.call(registration, signer, credentials, &request).await;
+            let judgement = ctx.webhook_client.call(registration, url, signer, credentials, &request).await;
             span.record("endpoint_ms", sent.elapsed().as_secs_f64() * 1000.0);
-            metrics::histogram!(crate::telemetry::metrics::ENDPOINT_SECONDS, &labels)
-                .record(called.elapsed().as_secs_f64());
+            metrics.endpoint_seconds.record(called.elapsed().as_secs_f64());
             let step = protection.record(judgement.failed);
             Box::pin(breaker_step(&ctx, &who, protection, step, &judgement, &mut events)).await;
             judgement
         }
-        Endpoint::Socket(socket) => client_answered(&span, called, &labels, socket.call(&who, &held, fencing).await),
-        Endpoint::Pull(pull) => client_answered(&span, called, &labels, pull.call(&who, &held, fencing).await),
+        Endpoint::Socket(socket) => client_answered(&span, called, metrics, socket.call(&who, &held, fencing).await),
+        Endpoint::Pull(pull) => client_answered(&span, called, metrics, pull.call(&who, &held, fencing).await),
     };
     if held.attempt > 1 {
-        metrics::counter!(crate::telemetry::metrics::REDELIVERIES, &labels).increment(1);
+        metrics.redeliveries.increment(1);
     }
     let about = ctx.about(&who);
     let retry = |delay: Option<Duration>| {
@@ -154,15 +185,13 @@ pub async fn deliver(ctx: Arc<Runtime>, who: MemberRef, endpoint: Arc<Endpoint>,
         Verdict::Progress => nak(about, &held, retry(None), &judgement.reason, &mut events).await,
         Verdict::Term => terminate(&ctx, &who, &held, &judgement.reason, retry(None), &mut events).await,
     };
-    let verdict = match &settled {
-        Settled::Done(Settlement::Acked) => "ack",
-        Settled::Done(Settlement::Terminated) => "term",
-        _ => "nak",
+    let (verdict, index) = match &settled {
+        Settled::Done(Settlement::Acked) => ("ack", 0),
+        Settled::Done(Settlement::Terminated) => ("term", 2),
+        _ => ("nak", 1),
     };
     span.record("verdict", verdict);
-    let mut with_verdict = labels.to_vec();
-    with_verdict.push(("verdict", verdict.to_owned()));
-    metrics::counter!(crate::telemetry::metrics::DELIVERIES, &with_verdict).increment(1);
+    metrics.deliveries[index].increment(1);
     Outcome { settled, events, gone: judgement.gone }
 }
 

@@ -33,7 +33,7 @@ pub async fn serve_webhook(ctx: Arc<Runtime>, target: Target, registration: Regi
         Ok(endpoint) => endpoint,
         Err(e) => {
             tracing::error!(stream = %who.stream, group = %who.group, member = %who.member, error = %e,
-                "webhook registration has an unusable secret");
+                "webhook registration cannot be served");
             return;
         }
     };

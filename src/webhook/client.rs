@@ -42,10 +42,11 @@ impl WebhookClient {
         Credentials::load(auth, &self.policy, &self.http)
     }
 
-    /// POSTs one message and judges the answer.
+    /// POSTs one message to `url` (the registration's, parsed) and judges the answer.
     pub async fn call(
         &self,
         registration: &Registration,
+        url: &reqwest::Url,
         signer: &Signer,
         credentials: &Credentials,
         outbound: &Outbound,
@@ -64,13 +65,10 @@ impl WebhookClient {
         let policy = RetryPolicy { max_retry_after: MAX_RETRY_AFTER, retry_statuses };
         let timestamp = now.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
         let signature = signer.sign(&outbound.id, timestamp, &outbound.body, now);
-        if let Ok(url) = reqwest::Url::parse(&registration.url) {
-            if let Some(ip) = url.host_str().and_then(|h| h.trim_start_matches('[').trim_end_matches(']').parse().ok())
-            {
-                if !self.policy.host_listed(url.host_str().unwrap_or_default()) {
-                    if let Some(why) = self.policy.refuse_address(ip) {
-                        return judge(&Response::ConnectionError(why), now, policy);
-                    }
+        if let Some(ip) = url.host_str().and_then(|h| h.trim_start_matches('[').trim_end_matches(']').parse().ok()) {
+            if !self.policy.host_listed(url.host_str().unwrap_or_default()) {
+                if let Some(why) = self.policy.refuse_address(ip) {
+                    return judge(&Response::ConnectionError(why), now, policy);
                 }
             }
         }
@@ -81,7 +79,7 @@ impl WebhookClient {
         let mut request = credentials
             .client()
             .unwrap_or(&self.http)
-            .post(&registration.url)
+            .post(url.clone())
             .timeout(Duration::from_millis(registration.timeout_ms))
             .header("webhook-id", &outbound.id)
             .header("webhook-timestamp", timestamp.to_string())

@@ -50,6 +50,7 @@ use crate::groups::spec::filter_subjects_of;
 use crate::groups::{GroupConfig, GroupSettings, Ordering as GroupOrdering};
 use crate::names::MemberRef;
 use crate::pauses::PauseUpdate;
+use crate::runtime::deliver::DeliveryMetrics;
 use crate::runtime::endpoint::Endpoint;
 use crate::webhook::{SubscriberOptions, DEFAULT_KEY_IN_FLIGHT};
 
@@ -216,6 +217,7 @@ impl Driver {
             }
             Dispatch::Concurrent(_) | Dispatch::Lanes(_) => None,
         };
+        let metrics = Arc::new(DeliveryMetrics::of(&who));
         let shared = LaneShared {
             ctx,
             who,
@@ -226,6 +228,7 @@ impl Driver {
             fencing: Arc::default(),
             gone: Arc::default(),
             wake: Arc::default(),
+            metrics,
         };
         Some(Self {
             shared,

@@ -17,7 +17,7 @@ use crate::cluster::roster::Roster;
 use crate::delivery::message::Held;
 use crate::events::{About, Event};
 use crate::names::MemberRef;
-use crate::runtime::deliver::{dead_letter_and_term, deliver, Outcome};
+use crate::runtime::deliver::{dead_letter_and_term, deliver, DeliveryMetrics, Outcome};
 use crate::runtime::endpoint::Endpoint;
 use crate::runtime::lanes::{Blocked, Dispatched, LaneId, LaneKey, Lanes, Settled, Settlement};
 use crate::runtime::Runtime;
@@ -141,6 +141,7 @@ pub(super) struct LaneShared {
     /// Set when the endpoint answered 410.
     pub gone: Arc<AtomicBool>,
     pub wake: Arc<Notify>,
+    pub metrics: Arc<DeliveryMetrics>,
 }
 
 impl LaneShared {
@@ -190,7 +191,14 @@ pub(super) async fn run_worker(shared: LaneShared, first: Dispatched<Held>) {
 /// was out is dead-lettered when that attempt fails.
 async fn deliver_one(shared: &LaneShared, lane: &LaneId, seq: u64, held: &Held) -> Outcome {
     let fencing = shared.fencing.load(Ordering::Relaxed);
-    let delivery = deliver(shared.ctx.clone(), shared.who.clone(), shared.endpoint.clone(), held.clone(), fencing);
+    let delivery = deliver(
+        shared.ctx.clone(),
+        shared.who.clone(),
+        shared.endpoint.clone(),
+        held.clone(),
+        fencing,
+        &shared.metrics,
+    );
     // A panic must not leave the lane marked in flight for ever.
     let mut outcome = match std::panic::AssertUnwindSafe(delivery).catch_unwind().await {
         Ok(outcome) => outcome,
