@@ -174,7 +174,11 @@ pub fn client_builder(policy: &Arc<DestinationPolicy>) -> reqwest::ClientBuilder
         .redirect(reqwest::redirect::Policy::none())
         .connect_timeout(Duration::from_secs(5))
         .pool_idle_timeout(Duration::from_secs(30))
-        .pool_max_idle_per_host(64)
+        // As many as one registration may have in flight: a pool kept
+        // smaller closed connections as deliveries finished and opened new
+        // ones for the next, a sixth of delivery CPU under key ordering's
+        // 256 in flight (BENCHMARKS.md, the user's order).
+        .pool_max_idle_per_host(super::registration::MAX_IN_FLIGHT)
         .no_proxy()
         .user_agent(concat!("keygate/", env!("CARGO_PKG_VERSION")))
         .dns_resolver(Arc::new(PolicyResolver { policy: policy.clone() }))
