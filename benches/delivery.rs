@@ -209,9 +209,7 @@ async fn raw_ordered(js: &jetstream::Context, url: &str, sink: &Sink, keys: &[u6
     fill(js, "RAW", keys).await;
     sink.done.store(0, Ordering::Relaxed);
     let consumer = support::baseline_consumer(js, "RAW", PARTITIONS, member_filters).await;
-    let (http, url) = (reqwest::Client::new(), url.to_owned());
-    let pump =
-        support::serial_lanes(consumer, PARTITIONS, move |message| raw_post(http.clone(), url.clone(), message)).await;
+    let pump = raw_pump(consumer, url, None).await;
     sink.wait_for(n, Duration::from_secs(600)).await;
     pump.abort();
     sink.rate()
@@ -236,24 +234,41 @@ async fn raw_post(http: reqwest::Client, url: String, message: jetstream::Messag
 /// The server's ceiling for a consumer with the member's 16 filters: a raw
 /// consumer that keeps `in_flight` deliveries going at once, in no order.
 async fn raw_concurrent(js: &jetstream::Context, url: &str, sink: &Sink, keys: &[u64], in_flight: usize) -> f64 {
-    use futures::StreamExt;
     let n = keys.len() as u64;
     fill(js, "RAWC", keys).await;
     sink.done.store(0, Ordering::Relaxed);
     let consumer = support::baseline_consumer(js, "RAWC", PARTITIONS, true).await;
+    let pump = raw_pump(consumer, url, Some(in_flight)).await;
+    sink.wait_for(n, Duration::from_secs(600)).await;
+    pump.abort();
+    sink.rate()
+}
+
+/// Starts the raw baseline's deliveries from `consumer` to `url`: each
+/// partition's messages one at a time (`None`), or `in_flight` at once in
+/// no order. Returns the pump, to abort when done.
+async fn raw_pump(
+    consumer: jetstream::consumer::PullConsumer,
+    url: &str,
+    in_flight: Option<usize>,
+) -> tokio::task::JoinHandle<()> {
+    use futures::StreamExt;
     let (http, url) = (reqwest::Client::new(), url.to_owned());
+    let Some(in_flight) = in_flight else {
+        return support::serial_lanes(consumer, PARTITIONS, move |message| {
+            raw_post(http.clone(), url.clone(), message)
+        })
+        .await;
+    };
     let messages = consumer.messages().await.unwrap();
-    let pump = tokio::spawn(messages.for_each_concurrent(in_flight, move |message| {
+    tokio::spawn(messages.for_each_concurrent(in_flight, move |message| {
         let (http, url) = (http.clone(), url.clone());
         async move {
             if let Ok(message) = message {
                 raw_post(http, url, message).await;
             }
         }
-    }));
-    sink.wait_for(n, Duration::from_secs(600)).await;
-    pump.abort();
-    sink.rate()
+    }))
 }
 
 /// keygate delivering `keys`' messages to `url` through a group with
@@ -351,21 +366,7 @@ async fn user_path(http: &reqwest::Client, work: Duration, keys: &[u64], orderin
     let raw_sink = Sink::new(work);
     let raw_url = raw_sink.clone().serve().await;
     let consumer = support::baseline_consumer(&js, "USER", PARTITIONS, true).await;
-    let client = reqwest::Client::new();
-    let pump = if ordering == "key" {
-        use futures::StreamExt;
-        let messages = consumer.messages().await.unwrap();
-        tokio::spawn(messages.for_each_concurrent(256, move |message| {
-            let (client, url) = (client.clone(), raw_url.clone());
-            async move {
-                if let Ok(message) = message {
-                    raw_post(client, url, message).await;
-                }
-            }
-        }))
-    } else {
-        support::serial_lanes(consumer, PARTITIONS, move |m| raw_post(client.clone(), raw_url.clone(), m)).await
-    };
+    let pump = raw_pump(consumer, &raw_url, (ordering == "key").then_some(256)).await;
     raw_sink.wait_for(keys.len() as u64, Duration::from_secs(600)).await;
     pump.abort();
     UserPath {
