@@ -166,6 +166,13 @@ pub enum DestinationError {
     NotAllowed { host: String, why: String },
 }
 
+/// Idle connections a webhook client keeps per host: at least as many as
+/// one registration may have in flight (`registration.rs` asserts it). A pool
+/// kept smaller closed connections as deliveries finished and opened new ones
+/// for the next, a sixth of delivery CPU under key ordering's 256 in flight
+/// (BENCHMARKS.md, the user's order).
+pub const POOL_MAX_IDLE_PER_HOST: usize = 1000;
+
 /// How every webhook client is built: no redirects, no proxy, bounded
 /// connects and idle connections, destinations checked on each lookup.
 pub fn client_builder(policy: &Arc<DestinationPolicy>) -> reqwest::ClientBuilder {
@@ -174,11 +181,7 @@ pub fn client_builder(policy: &Arc<DestinationPolicy>) -> reqwest::ClientBuilder
         .redirect(reqwest::redirect::Policy::none())
         .connect_timeout(Duration::from_secs(5))
         .pool_idle_timeout(Duration::from_secs(30))
-        // As many as one registration may have in flight: a pool kept
-        // smaller closed connections as deliveries finished and opened new
-        // ones for the next, a sixth of delivery CPU under key ordering's
-        // 256 in flight (BENCHMARKS.md, the user's order).
-        .pool_max_idle_per_host(super::registration::MAX_IN_FLIGHT)
+        .pool_max_idle_per_host(POOL_MAX_IDLE_PER_HOST)
         .no_proxy()
         .user_agent(concat!("keygate/", env!("CARGO_PKG_VERSION")))
         .dns_resolver(Arc::new(PolicyResolver { policy: policy.clone() }))
