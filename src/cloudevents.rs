@@ -271,6 +271,48 @@ pub fn binary_headers(delivery: &Delivery<'_>, present: &[(String, String)]) -> 
         .collect()
 }
 
+/// One delivery as a structured-mode event (an element of a batch's
+/// `application/cloudevents-batch+json` array): the derived attributes and
+/// the message's own `ce-*` headers (theirs win), `extensions` (keygate's
+/// delivery facts), and the payload as `data` when it is JSON, else
+/// `data_base64`.
+pub fn structured(
+    delivery: &Delivery<'_>,
+    present: &[(String, String)],
+    extensions: &[(&str, Value)],
+    payload: &[u8],
+) -> serde_json::Map<String, Value> {
+    let mut event = serde_json::Map::new();
+    let carried = present.iter().filter_map(|(name, value)| {
+        let attribute = name.get(..HEADER_PREFIX.len())?.eq_ignore_ascii_case(HEADER_PREFIX).then(|| &name[3..])?;
+        Some((attribute.to_ascii_lowercase(), value.as_str()))
+    });
+    let derived = binary_headers(delivery, &[]);
+    let derived = derived.iter().map(|(name, value)| (name[HEADER_PREFIX.len()..].to_owned(), value.as_str()));
+    for (attribute, value) in derived.chain(carried) {
+        let value = percent_decode_str(value).decode_utf8_lossy().into_owned();
+        event.insert(attribute, Value::String(value));
+    }
+    for (name, value) in extensions {
+        event.insert((*name).to_owned(), value.clone());
+    }
+    match serde_json::from_slice::<Value>(payload) {
+        Ok(data) => {
+            event.entry("datacontenttype").or_insert_with(|| Value::String("application/json".into()));
+            event.insert("data".into(), data);
+        }
+        Err(_) => {
+            use base64::Engine as _;
+            let encoded = base64::engine::general_purpose::STANDARD.encode(payload);
+            event.insert("data_base64".into(), Value::String(encoded));
+        }
+    }
+    event
+}
+
+/// The media type of a batch of structured events.
+pub const BATCH_MEDIA_TYPE: &str = "application/cloudevents-batch+json";
+
 /// Checks a registration's `ce_type`.
 pub fn check_event_type(event_type: &str) -> Result<(), InvalidEvent> {
     if event_type.is_empty() || event_type.len() > 256 || event_type.chars().any(char::is_control) {

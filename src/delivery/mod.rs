@@ -1,9 +1,10 @@
 //! What every endpoint shares: the message handed out and what of it may
-//! leave keygate, the verdict an answer means and the retry backoff, the
-//! WebSocket frames, and the outboxes of WebSocket and HTTP pull clients.
+//! leave keygate, the verdict an answer means and the retry backoff (and
+//! each message's, for a batched delivery), the WebSocket frames, and the outboxes of WebSocket and HTTP pull clients.
 //! Webhooks are `crate::webhook`; the dead-letter stream is
 //! `crate::dead_letters`.
 
+pub mod batch_verdict;
 pub mod frames;
 pub mod message;
 pub mod pull;

@@ -14,7 +14,8 @@ use crate::http::problem::{ApiError, Problem};
 use crate::names::{ConsumerName, MemberName, StreamName};
 use crate::webhook::credentials::OutboundAuth;
 use crate::webhook::{
-    Backoff, BreakerSpec, DeliveryFormat, Registration, RegistrationView, RotateSecret, SubscriberOptions, WebhookSpec,
+    Backoff, BatchSpec, BreakerSpec, DeliveryFormat, Registration, RegistrationView, RotateSecret, SubscriberOptions,
+    WebhookSpec,
 };
 
 /// Creates (201) or updates (200) a durable pull consumer with a policy.
@@ -139,6 +140,8 @@ pub struct SubscriberSpec {
     pub format: Option<DeliveryFormat>,
     #[schema(min_length = 1, max_length = 256)]
     pub ce_type: Option<String>,
+    /// Deliver in batches, as a member's webhook may.
+    pub batch: Option<BatchSpec>,
 }
 
 /// A consumer's webhook subscriber.
@@ -249,6 +252,7 @@ pub async fn put_subscriber(
         auth: spec.auth,
         format: spec.format,
         ce_type: spec.ce_type,
+        batch: spec.batch,
     };
     let key = format!("{stream}.{consumer}.{subscriber}");
     let (created, registration, secret) =

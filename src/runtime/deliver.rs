@@ -3,14 +3,16 @@
 //! its verdict does to the message (ack, NAK with backoff, or dead-letter
 //! then terminate).
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::AckKind;
 
-use super::lanes::{Settled, Settlement};
+use super::lanes::{LaneId, Settled, Settlement};
 use super::Runtime;
 use crate::dead_letters::{self, DeadLetter};
+use crate::delivery::batch_verdict::BatchJudgement;
 use crate::delivery::message::{Delivered, Held};
 use crate::delivery::verdict::{backoff, Judgement, Verdict};
 use crate::events::{About, Event};
@@ -157,10 +159,27 @@ pub async fn deliver(
         Endpoint::Socket(socket) => client_answered(&span, called, metrics, socket.call(&who, &held, fencing).await),
         Endpoint::Pull(pull) => client_answered(&span, called, metrics, pull.call(&who, &held, fencing).await),
     };
+    let settled = apply(&ctx, &who, &endpoint, &held, &judgement, metrics, &mut events).await;
+    span.record("verdict", verdict_word(&settled).0);
+    Outcome { settled, events, gone: judgement.gone }
+}
+
+/// What a verdict does to its message: ack it, NAK it with the endpoint's
+/// delay or the backoff, or dead-letter it (also once its attempts are
+/// used up). Counted by verdict.
+async fn apply(
+    ctx: &Runtime,
+    who: &MemberRef,
+    endpoint: &Endpoint,
+    held: &Delivered,
+    judgement: &Judgement,
+    metrics: &DeliveryMetrics,
+    events: &mut Vec<Event>,
+) -> Settled {
     if held.attempt > 1 {
         metrics.redeliveries.increment(1);
     }
-    let about = ctx.about(&who);
+    let about = ctx.about(who);
     let retry = |delay: Option<Duration>| {
         delay.unwrap_or_else(|| {
             let b = endpoint.backoff();
@@ -171,7 +190,7 @@ pub async fn deliver(
         Verdict::Ack => {
             // A lost ack means a redelivery, which the lane answers from its
             // memory of this settlement, or delivers again (a duplicate).
-            if let Err(e) = remove(&held, Because::EndpointAcked(&judgement)).await {
+            if let Err(e) = remove(held, Because::EndpointAcked(judgement)).await {
                 tracing::debug!(error = %e, "ack not sent");
             }
             events.push(Event::message_acked(about, held.at(), &judgement.reason));
@@ -179,20 +198,89 @@ pub async fn deliver(
         }
         Verdict::Nak { .. } | Verdict::Progress if held.attempt >= endpoint.max_attempts() => {
             let reason = format!("gave up after {} attempts: {}", held.attempt, judgement.reason);
-            terminate(&ctx, &who, &held, &reason, retry(None), &mut events).await
+            terminate(ctx, who, held, &reason, retry(None), events).await
         }
-        Verdict::Nak { delay } => nak(about, &held, retry(delay), &judgement.reason, &mut events).await,
-        Verdict::Progress => nak(about, &held, retry(None), &judgement.reason, &mut events).await,
-        Verdict::Term => terminate(&ctx, &who, &held, &judgement.reason, retry(None), &mut events).await,
+        Verdict::Nak { delay } => nak(about, held, retry(delay), &judgement.reason, events).await,
+        Verdict::Progress => nak(about, held, retry(None), &judgement.reason, events).await,
+        Verdict::Term => terminate(ctx, who, held, &judgement.reason, retry(None), events).await,
     };
-    let (verdict, index) = match &settled {
+    metrics.deliveries[verdict_word(&settled).1].increment(1);
+    settled
+}
+
+/// A settlement as the `verdict` span field and metric label name it.
+fn verdict_word(settled: &Settled) -> (&'static str, usize) {
+    match settled {
         Settled::Done(Settlement::Acked) => ("ack", 0),
         Settled::Done(Settlement::Terminated) => ("term", 2),
         _ => ("nak", 1),
+    }
+}
+
+/// What a batch's delivery reports: each message's settlement, in the
+/// order given.
+pub struct BatchOutcome {
+    pub settled: Vec<Settled>,
+    pub events: Vec<Event>,
+    pub gone: bool,
+}
+
+/// One batched call to a webhook (docs/batched-deliveries.md):
+/// one request for the whole batch (one turn of the rate limit, one count
+/// of the breaker), then each message's verdict applied in the batch's
+/// order. `batch` holds each lane's messages in order; once one of a lane
+/// is not acked, that lane's later ones are [`Settled::Returned`] (neither
+/// acked nor NAK'd), so they follow it.
+pub async fn deliver_batch(
+    ctx: Arc<Runtime>,
+    who: MemberRef,
+    endpoint: Arc<Endpoint>,
+    batch: &[(LaneId, Held)],
+    fencing: u64,
+    metrics: &DeliveryMetrics,
+) -> BatchOutcome {
+    let span = tracing::info_span!("deliver_batch", "otel.kind" = "client", stream = %who.stream, group = %who.group,
+        member = %who.member, messages = batch.len(), endpoint_ms = tracing::field::Empty);
+    let mut events = Vec::new();
+    let Endpoint::Webhook(webhook) = &*endpoint else {
+        unreachable!("only webhooks take batches (runtime/driver/mod.rs)");
     };
-    span.record("verdict", verdict);
-    metrics.deliveries[index].increment(1);
-    Outcome { settled, events, gone: judgement.gone }
+    let WebhookEndpoint { registration, url, signer, protection, credentials } = &**webhook;
+    let ids: Vec<String> = batch.iter().map(|(_, held)| crate::webhook::request::delivery_id(held)).collect();
+    let judged = if protection.open() {
+        let reason = "not sent: the circuit breaker is open and the member is pausing".to_owned();
+        let not_sent = Judgement { verdict: Verdict::Nak { delay: None }, gone: false, failed: false, reason };
+        BatchJudgement { items: vec![not_sent; batch.len()], failed: false, gone: false }
+    } else {
+        protection.wait_turn().await;
+        let trace = TraceContext::of_span(&span);
+        let messages: Vec<&Delivered> = batch.iter().map(|(_, held)| &**held).collect();
+        let request = crate::webhook::request::batch_outbound(registration, &who, &messages, fencing, trace.as_ref());
+        let sent = std::time::Instant::now();
+        let id_refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+        let judged = ctx.webhook_client.call_batch(registration, url, signer, credentials, &request, &id_refs).await;
+        span.record("endpoint_ms", sent.elapsed().as_secs_f64() * 1000.0);
+        metrics.endpoint_seconds.record(sent.elapsed().as_secs_f64());
+        let step = protection.record(judged.failed);
+        if let Some(first) = judged.items.first() {
+            Box::pin(breaker_step(&ctx, &who, protection, step, first, &mut events)).await;
+        }
+        judged
+    };
+    let mut stopped: HashSet<&LaneId> = HashSet::new();
+    let mut settled = Vec::with_capacity(batch.len());
+    for ((lane, held), judgement) in batch.iter().zip(&judged.items) {
+        if stopped.contains(lane) {
+            settled.push(Settled::Returned);
+            continue;
+        }
+        let outcome = apply(&ctx, &who, &endpoint, held, judgement, metrics, &mut events).await;
+        if outcome != Settled::Done(Settlement::Acked) {
+            stopped.insert(lane);
+        }
+        settled.push(outcome);
+    }
+    BatchOutcome { settled, events, gone: judged.gone }
 }
 
 /// Dead-letters then terminates; if the copy cannot be stored, the message

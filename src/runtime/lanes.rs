@@ -5,7 +5,10 @@
 //! is `partition`), or one key of a partition (`ordering` is `key`).
 //! Rules (docs/guarantees.md, "Per-key order"):
 //! - one message in flight per lane; lanes are independent, and at most
-//!   `max_in_flight` messages are in flight across all of them;
+//!   `max_in_flight` messages are in flight across all of them. A batch
+//!   ([`Lanes::dispatch_batch`]) may take a lane's next messages together,
+//!   in order; when one of them fails, the later ones go back to the lane
+//!   ([`Settled::Returned`]) and follow it;
 //! - a lane dispatches in stream-sequence order and never passes a lower
 //!   sequence of its own that is still outstanding (NAK'd and awaiting
 //!   redelivery); ready lanes go oldest head first;
@@ -116,7 +119,8 @@ impl Settlements {
 #[derive(Debug)]
 struct Lane<M> {
     held: BTreeMap<u64, M>,
-    in_flight: Option<(u64, M)>,
+    /// One message, or a batch's run of the lane's next messages.
+    in_flight: BTreeMap<u64, M>,
     /// NAK'd messages, with their last copy (for skip and retry-now).
     awaiting: BTreeMap<u64, M>,
     blocked: Option<Blocked>,
@@ -126,18 +130,24 @@ struct Lane<M> {
 
 impl<M> Default for Lane<M> {
     fn default() -> Self {
-        Self { held: BTreeMap::new(), in_flight: None, awaiting: BTreeMap::new(), blocked: None, listed: None }
+        Self {
+            held: BTreeMap::new(),
+            in_flight: BTreeMap::new(),
+            awaiting: BTreeMap::new(),
+            blocked: None,
+            listed: None,
+        }
     }
 }
 
 impl<M> Lane<M> {
     fn is_empty(&self) -> bool {
-        self.held.is_empty() && self.in_flight.is_none() && self.awaiting.is_empty() && self.blocked.is_none()
+        self.held.is_empty() && self.in_flight.is_empty() && self.awaiting.is_empty() && self.blocked.is_none()
     }
 
     /// The head, if it may go now.
     fn ready(&self) -> Option<u64> {
-        if self.in_flight.is_some() {
+        if !self.in_flight.is_empty() {
             return None;
         }
         let (&head, _) = self.held.first_key_value()?;
@@ -149,7 +159,7 @@ impl<M> Lane<M> {
 
     /// The lowest sequence this lane holds, delivers or awaits.
     fn lowest(&self) -> Option<u64> {
-        [self.held.keys().next(), self.in_flight.as_ref().map(|(s, _)| s), self.awaiting.keys().next()]
+        [self.held.keys().next(), self.in_flight.keys().next(), self.awaiting.keys().next()]
             .into_iter()
             .flatten()
             .min()
@@ -168,6 +178,10 @@ pub enum Settled {
     /// The endpoint was not reached because this instance stopped serving;
     /// it is no longer ours.
     Abandoned,
+    /// Not settled: an earlier message of its lane in the same batch was
+    /// retried or dead-lettered, so it goes back to the lane and follows
+    /// that one (nothing is sent to the server).
+    Returned,
 }
 
 /// Offer outcome.
@@ -239,7 +253,7 @@ impl<M: Clone> Lanes<M> {
     /// Takes a delivered message into its lane.
     pub fn offer(&mut self, id: LaneId, seq: u64, message: M) -> Offered {
         let lane = self.lanes.entry(id.clone()).or_default();
-        if lane.in_flight.as_ref().is_some_and(|(s, _)| *s == seq) {
+        if lane.in_flight.contains_key(&seq) {
             return Offered::Duplicate;
         }
         if !lane.awaiting.contains_key(&seq) {
@@ -278,24 +292,64 @@ impl<M: Clone> Lanes<M> {
         lane.listed = None;
         let message = lane.held.remove(&seq).expect("a listed head is held");
         self.held -= 1;
-        lane.in_flight = Some((seq, message.clone()));
+        lane.in_flight.insert(seq, message.clone());
         self.in_flight += 1;
         Some(Dispatched { lane: id, seq, message })
+    }
+
+    /// Messages for a batch that holds `filled` bytes so far: the oldest
+    /// ready heads first, each with its lane's next held messages in order
+    /// (never past a NAK'd one it awaits), up to `max_messages` more and
+    /// `max_bytes` in all (`size` of each; the first message of an empty
+    /// batch goes even when it alone is larger) and within `max_in_flight`.
+    /// All are marked in flight.
+    pub fn dispatch_batch(
+        &mut self,
+        max_messages: usize,
+        max_bytes: usize,
+        filled: usize,
+        size: impl Fn(&M) -> usize,
+    ) -> Vec<Dispatched<M>> {
+        let mut batch: Vec<Dispatched<M>> = Vec::new();
+        let mut bytes = filled;
+        let max_in_flight = self.max_in_flight;
+        let fits = |batch: &Vec<Dispatched<M>>, bytes: usize, in_flight: usize, message: &M| {
+            batch.len() < max_messages
+                && in_flight < max_in_flight
+                && ((batch.is_empty() && filled == 0) || bytes + size(message) <= max_bytes)
+        };
+        while !self.barrier {
+            let Some((head, id)) = self.ready.first().cloned() else { break };
+            let lane = self.lanes.get_mut(&id).expect("a listed lane exists");
+            if !fits(&batch, bytes, self.in_flight, &lane.held[&head]) {
+                break;
+            }
+            self.ready.pop_first();
+            lane.listed = None;
+            let awaited = lane.awaiting.keys().next().copied().unwrap_or(u64::MAX);
+            while let Some(entry) = lane.held.first_entry() {
+                if *entry.key() > awaited || !fits(&batch, bytes, self.in_flight, entry.get()) {
+                    break;
+                }
+                let (seq, message) = entry.remove_entry();
+                bytes += size(&message);
+                self.held -= 1;
+                self.in_flight += 1;
+                lane.in_flight.insert(seq, message.clone());
+                batch.push(Dispatched { lane: id.clone(), seq, message });
+            }
+            self.refresh(&id);
+        }
+        batch
     }
 
     /// Records how an in-flight message ended.
     pub fn settle(&mut self, id: &LaneId, seq: u64, settled: Settled) {
         let Some(lane) = self.lanes.get_mut(id) else { return };
-        let message = match lane.in_flight.take() {
-            Some((s, m)) if s == seq => {
-                self.in_flight -= 1;
-                Some(m)
-            }
-            other => {
-                lane.in_flight = other;
-                None
-            }
-        };
+        let message = lane.in_flight.remove(&seq);
+        if message.is_some() {
+            self.in_flight -= 1;
+        }
         match settled {
             Settled::Done(how) => {
                 self.settlements.entry(id.partition).or_default().remember(seq, how);
@@ -315,6 +369,12 @@ impl<M: Clone> Lanes<M> {
                 lane.blocked = Some(Blocked { seq, since, attempts, last_error: error });
             }
             Settled::Abandoned => {}
+            Settled::Returned => {
+                if let Some(message) = message {
+                    lane.held.insert(seq, message);
+                    self.held += 1;
+                }
+            }
         }
         self.refresh(id);
     }
@@ -392,7 +452,7 @@ impl<M: Clone> Lanes<M> {
         self.lanes
             .values()
             .filter_map(|l| {
-                [l.held.keys().next_back(), l.in_flight.as_ref().map(|(s, _)| s), l.awaiting.keys().next_back()]
+                [l.held.keys().next_back(), l.in_flight.keys().next_back(), l.awaiting.keys().next_back()]
                     .into_iter()
                     .flatten()
                     .max()
@@ -441,7 +501,7 @@ impl<M: Clone> Lanes<M> {
 
     /// Messages in flight, for progress acks while the endpoint works.
     pub fn in_flight_messages(&self) -> impl Iterator<Item = &M> {
-        self.lanes.values().filter_map(|l| l.in_flight.as_ref().map(|(_, m)| m))
+        self.lanes.values().flat_map(|l| l.in_flight.values())
     }
 
     /// The NAK'd head a blocked lane waits for, with its last copy.
@@ -510,6 +570,76 @@ mod tests {
         ack(&mut lanes, &p(1), 2);
         assert_eq!(seqs(&lanes.dispatch()), vec![(1, 4)]);
         assert_eq!(lanes.holding(), 4);
+    }
+
+    #[test]
+    fn a_batch_takes_each_lanes_next_messages_in_order_within_its_limits() {
+        let mut lanes = Lanes::new(5);
+        for (key, s) in [("a", 1), ("b", 2), ("a", 3), ("c", 4), ("a", 5), ("b", 6)] {
+            lanes.offer(k(0, key), s, s);
+        }
+        let batch = lanes.dispatch_batch(100, usize::MAX, 0, |_| 1);
+        let got: Vec<(LaneId, u64)> = batch.iter().map(|d| (d.lane.clone(), d.seq)).collect();
+        assert_eq!(
+            got,
+            vec![(k(0, "a"), 1), (k(0, "a"), 3), (k(0, "a"), 5), (k(0, "b"), 2), (k(0, "b"), 6)],
+            "the oldest head's lane first, its run in order; max_in_flight 5 stops before c"
+        );
+        assert_eq!(lanes.in_flight(), 5);
+        assert!(lanes.dispatch_batch(100, usize::MAX, 0, |_| 1).is_empty());
+        ack(&mut lanes, &k(0, "b"), 2);
+        ack(&mut lanes, &k(0, "b"), 6);
+        assert_eq!(seqs(&lanes.dispatch_batch(100, usize::MAX, 0, |_| 1)), vec![(0, 4)]);
+        let mut sized = Lanes::default();
+        for s in 1..=4 {
+            sized.offer(p(0), s, s);
+        }
+        assert_eq!(seqs(&sized.dispatch_batch(3, usize::MAX, 0, |_| 1)), vec![(0, 1), (0, 2), (0, 3)], "max_messages");
+        let mut sized = Lanes::default();
+        for s in 1..=4 {
+            sized.offer(p(0), s, s);
+        }
+        let by_bytes = sized.dispatch_batch(100, 250, 0, |_| 100);
+        assert_eq!(seqs(&by_bytes), vec![(0, 1), (0, 2)], "max_bytes");
+        let mut big = Lanes::default();
+        big.offer(p(0), 1, 1);
+        assert_eq!(
+            seqs(&big.dispatch_batch(100, 10, 0, |_| 100)),
+            vec![(0, 1)],
+            "one message larger than max_bytes goes alone"
+        );
+    }
+
+    #[test]
+    fn a_batch_never_passes_an_awaited_message_and_returned_ones_follow_the_failed_one() {
+        let mut lanes = Lanes::default();
+        for s in 1..=4 {
+            lanes.offer(k(0, "a"), s, s);
+        }
+        let batch = lanes.dispatch_batch(100, usize::MAX, 0, |_| 1);
+        assert_eq!(seqs(&batch), vec![(0, 1), (0, 2), (0, 3), (0, 4)]);
+        ack(&mut lanes, &k(0, "a"), 1);
+        lanes.settle(&k(0, "a"), 2, naked());
+        lanes.settle(&k(0, "a"), 3, Settled::Returned);
+        lanes.settle(&k(0, "a"), 4, Settled::Returned);
+        assert_eq!(lanes.in_flight(), 0);
+        assert_eq!(lanes.holding(), 2, "3 and 4 are held again");
+        assert!(lanes.dispatch_batch(100, usize::MAX, 0, |_| 1).is_empty(), "3 and 4 wait for 2");
+        assert_eq!(lanes.offer(k(0, "a"), 2, 2), Offered::Held);
+        assert_eq!(seqs(&lanes.dispatch_batch(100, usize::MAX, 0, |_| 1)), vec![(0, 2), (0, 3), (0, 4)]);
+        // A redelivery of a NAK'd message earlier in the lane than held ones: the
+        // batch stops before anything past a message still awaited.
+        let mut lanes = Lanes::default();
+        lanes.offer(k(0, "a"), 5, 5);
+        assert_eq!(seqs(&lanes.dispatch_batch(100, usize::MAX, 0, |_| 1)), vec![(0, 5)]);
+        lanes.settle(&k(0, "a"), 5, naked());
+        lanes.offer(k(0, "a"), 2, 2);
+        lanes.offer(k(0, "a"), 7, 7);
+        assert_eq!(
+            seqs(&lanes.dispatch_batch(100, usize::MAX, 0, |_| 1)),
+            vec![(0, 2)],
+            "7 stays behind the awaited 5"
+        );
     }
 
     #[test]

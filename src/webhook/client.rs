@@ -10,6 +10,7 @@ use super::credentials::{Credentials, OutboundAuth};
 use super::destination::DestinationPolicy;
 use super::registration::{Registration, MAX_RESPONSE_BODY};
 use super::signing::Signer;
+use crate::delivery::batch_verdict::{judge_batch, BatchJudgement, MAX_BATCH_ANSWER};
 use crate::delivery::verdict::{judge, Judgement, Response, RetryPolicy, MAX_RETRY_AFTER};
 
 /// One call to make.
@@ -52,29 +53,51 @@ impl WebhookClient {
         outbound: &Outbound,
     ) -> Judgement {
         let now = SystemTime::now();
-        // With credentials, a 401 means they expired or were rotated: they
-        // are fetched again and the message retried, not dead-lettered.
-        let with_401;
-        let retry_statuses = match &registration.auth {
-            Some(_) => {
-                with_401 = [registration.retry_statuses.as_slice(), &[401]].concat();
-                with_401.as_slice()
-            }
-            None => registration.retry_statuses.as_slice(),
-        };
-        let policy = RetryPolicy { max_retry_after: MAX_RETRY_AFTER, retry_statuses };
+        let answer = self.exchange(registration, url, signer, credentials, outbound, MAX_RESPONSE_BODY, now).await;
+        judge(&answer.response(), now, retry_policy(registration, &mut Vec::new()))
+    }
+
+    /// POSTs one batch (whose messages' ids are `ids`, in order) and judges
+    /// each message's verdict from the answer.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn call_batch(
+        &self,
+        registration: &Registration,
+        url: &reqwest::Url,
+        signer: &Signer,
+        credentials: &Credentials,
+        outbound: &Outbound,
+        ids: &[&str],
+    ) -> BatchJudgement {
+        let now = SystemTime::now();
+        let answer = self.exchange(registration, url, signer, credentials, outbound, MAX_BATCH_ANSWER, now).await;
+        judge_batch(&answer.response(), ids, now, retry_policy(registration, &mut Vec::new()))
+    }
+
+    /// Signs and sends one request; what came back (the body read up to `max_body`).
+    #[allow(clippy::too_many_arguments)]
+    async fn exchange(
+        &self,
+        registration: &Registration,
+        url: &reqwest::Url,
+        signer: &Signer,
+        credentials: &Credentials,
+        outbound: &Outbound,
+        max_body: usize,
+        now: SystemTime,
+    ) -> Answer {
         let timestamp = now.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
         let signature = signer.sign(&outbound.id, timestamp, &outbound.body, now);
         if let Some(ip) = url.host_str().and_then(|h| h.trim_start_matches('[').trim_end_matches(']').parse().ok()) {
             if !self.policy.host_listed(url.host_str().unwrap_or_default()) {
                 if let Some(why) = self.policy.refuse_address(ip) {
-                    return judge(&Response::ConnectionError(why), now, policy);
+                    return Answer::ConnectionError(why);
                 }
             }
         }
         let authorization = match credentials.authorization().await {
             Ok(value) => value,
-            Err(why) => return judge(&Response::ConnectionError(format!("no credentials: {why}")), now, policy),
+            Err(why) => return Answer::ConnectionError(format!("no credentials: {why}")),
         };
         let mut request = credentials
             .client()
@@ -92,10 +115,10 @@ impl WebhookClient {
         }
         let response = match request.body(outbound.body.clone()).send().await {
             Ok(r) => r,
-            Err(e) if e.is_timeout() => return judge(&Response::Timeout, now, policy),
+            Err(e) if e.is_timeout() => return Answer::Timeout,
             // reqwest names the URL in its errors; its query string is often
             // a token, and this text reaches events and dead letters.
-            Err(e) => return judge(&Response::ConnectionError(error_chain(&e.without_url())), now, policy),
+            Err(e) => return Answer::ConnectionError(error_chain(&e.without_url())),
         };
         let status = response.status().as_u16();
         if status == 401 {
@@ -103,30 +126,57 @@ impl WebhookClient {
         }
         let header = |name: &str| response.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
         let (retry_after, keygate_ack) = (header("retry-after"), header("keygate-ack"));
-        let body = match read_capped(response).await {
+        let body = match read_capped(response, max_body).await {
             Ok(body) => body,
-            Err(e) if e.is_timeout() => return judge(&Response::Timeout, now, policy),
+            Err(e) if e.is_timeout() => return Answer::Timeout,
             Err(_) => Vec::new(),
         };
-        judge(
-            &Response::Http {
-                status,
-                retry_after: retry_after.as_deref(),
-                keygate_ack: keygate_ack.as_deref(),
-                body: &body,
-            },
-            now,
-            policy,
-        )
+        Answer::Http { status, retry_after, keygate_ack, body }
     }
 }
 
-async fn read_capped(mut response: reqwest::Response) -> Result<Vec<u8>, reqwest::Error> {
+/// What came back from one call, owned.
+enum Answer {
+    Http { status: u16, retry_after: Option<String>, keygate_ack: Option<String>, body: Vec<u8> },
+    Timeout,
+    ConnectionError(String),
+}
+
+impl Answer {
+    fn response(&self) -> Response<'_> {
+        match self {
+            Self::Http { status, retry_after, keygate_ack, body } => Response::Http {
+                status: *status,
+                retry_after: retry_after.as_deref(),
+                keygate_ack: keygate_ack.as_deref(),
+                body,
+            },
+            Self::Timeout => Response::Timeout,
+            Self::ConnectionError(why) => Response::ConnectionError(why.clone()),
+        }
+    }
+}
+
+/// The registration's retry rules. With credentials, a 401 means they
+/// expired or were rotated: they are fetched again and the message
+/// retried, not dead-lettered (`with_401` holds that list).
+fn retry_policy<'a>(registration: &'a Registration, with_401: &'a mut Vec<u16>) -> RetryPolicy<'a> {
+    let retry_statuses = match &registration.auth {
+        Some(_) => {
+            *with_401 = [registration.retry_statuses.as_slice(), &[401]].concat();
+            with_401.as_slice()
+        }
+        None => registration.retry_statuses.as_slice(),
+    };
+    RetryPolicy { max_retry_after: MAX_RETRY_AFTER, retry_statuses }
+}
+
+async fn read_capped(mut response: reqwest::Response, max_body: usize) -> Result<Vec<u8>, reqwest::Error> {
     let mut body = Vec::new();
     while let Some(chunk) = response.chunk().await? {
-        let room = MAX_RESPONSE_BODY.saturating_sub(body.len());
+        let room = max_body.saturating_sub(body.len());
         body.extend_from_slice(&chunk[..chunk.len().min(room)]);
-        if body.len() >= MAX_RESPONSE_BODY {
+        if body.len() >= max_body {
             break;
         }
     }

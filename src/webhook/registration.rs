@@ -31,6 +31,58 @@ pub struct BreakerSpec {
     pub probe_interval_ms: Option<u64>,
 }
 
+/// Batched deliveries: one request carries up to `max_messages` messages
+/// as a JSON array (docs/batched-deliveries.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BatchSpec {
+    /// Most messages in one request.
+    #[schema(minimum = 1, maximum = 1000, example = 100)]
+    pub max_messages: u32,
+    /// Most payload bytes in one request (default 1048576); a single
+    /// larger message still goes, alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 1024, maximum = 16777216)]
+    pub max_bytes: Option<u64>,
+    /// How long a request that is not full waits for more messages
+    /// (default 0: send what is ready).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 0, maximum = 10000)]
+    pub max_wait_ms: Option<u64>,
+}
+
+/// Most messages in one batched request.
+pub const MAX_BATCH_MESSAGES: u32 = 1000;
+/// Payload bytes of one batched request unless the registration says.
+pub const DEFAULT_BATCH_BYTES: u64 = 1024 * 1024;
+
+impl BatchSpec {
+    /// Refuses sizes keygate cannot send.
+    pub fn check(&self) -> Result<(), Error> {
+        let bad = |m: &str| Err(Error::new(Kind::InvalidRegistration, m));
+        if !(1..=MAX_BATCH_MESSAGES).contains(&self.max_messages) {
+            return bad("batch.max_messages must be between 1 and 1000");
+        }
+        if self.max_bytes.is_some_and(|b| !(1024..=16 * 1024 * 1024).contains(&b)) {
+            return bad("batch.max_bytes must be between 1024 and 16777216");
+        }
+        if self.max_wait_ms.is_some_and(|ms| ms > 10_000) {
+            return bad("batch.max_wait_ms must be between 0 and 10000");
+        }
+        Ok(())
+    }
+
+    /// Payload bytes one request may carry.
+    pub fn max_bytes(&self) -> usize {
+        self.max_bytes.unwrap_or(DEFAULT_BATCH_BYTES) as usize
+    }
+
+    /// How long a request that is not full waits for more.
+    pub fn max_wait(&self) -> Duration {
+        Duration::from_millis(self.max_wait_ms.unwrap_or(0))
+    }
+}
+
 /// How a delivery's request is shaped.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "lowercase")]
@@ -107,6 +159,10 @@ pub struct WebhookSpec {
     #[serde(default)]
     #[schema(min_length = 1, max_length = 256)]
     pub ce_type: Option<String>,
+    /// Deliver in batches: a JSON array of messages per request, answered
+    /// with per-message results (docs/batched-deliveries.md).
+    #[serde(default)]
+    pub batch: Option<BatchSpec>,
 }
 
 /// A stored registration.
@@ -145,6 +201,8 @@ pub struct Registration {
     pub format: DeliveryFormat,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ce_type: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch: Option<BatchSpec>,
 }
 
 impl Registration {
@@ -184,6 +242,7 @@ impl std::fmt::Debug for WebhookSpec {
             .field("auth", &self.auth)
             .field("format", &self.format)
             .field("ce_type", &self.ce_type)
+            .field("batch", &self.batch)
             .finish()
     }
 }
@@ -208,6 +267,7 @@ impl std::fmt::Debug for Registration {
             .field("auth", &self.auth)
             .field("format", &self.format)
             .field("ce_type", &self.ce_type)
+            .field("batch", &self.batch)
             .finish()
     }
 }
@@ -270,6 +330,8 @@ pub struct RegistrationView {
     pub format: DeliveryFormat,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ce_type: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub batch: Option<BatchSpec>,
     /// After a rotation: until when the previous secret also signs.
     #[serde(skip_serializing_if = "Option::is_none", with = "time::serde::rfc3339::option")]
     #[schema(value_type = Option<String>, format = DateTime)]
@@ -295,6 +357,7 @@ impl RegistrationView {
             auth: r.auth.clone(),
             format: r.format,
             ce_type: r.ce_type.clone(),
+            batch: r.batch,
             previous_secret_expires_at: r.previous_secret_expires(),
             secret,
         }
@@ -418,6 +481,7 @@ mod tests {
             auth: None,
             format: DeliveryFormat::Raw,
             ce_type: None,
+            batch: None,
         };
         let shown = format!("{registration:?}");
         for secret in

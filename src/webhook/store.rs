@@ -80,6 +80,9 @@ impl WebhookStore {
             SigningKey::parse(secret).map_err(|e| Error::new(Kind::InvalidRegistration, e.to_string()))?;
         }
         check_protection(&spec)?;
+        if let Some(batch) = &spec.batch {
+            batch.check()?;
+        }
         if let Some(headers) = &spec.headers {
             check_headers(headers)?;
         }
@@ -130,6 +133,7 @@ impl WebhookStore {
             auth: spec.auth,
             format,
             ce_type: spec.ce_type,
+            batch: spec.batch,
         };
         let bytes = Bytes::from(serde_json::to_vec(&registration).unwrap_or_default());
         store.put(key, bytes).await.map_err(|e| unavailable_or_internal("storing webhook", e))?;

@@ -1,6 +1,7 @@
 //! Integration tests: keygate against a real nats-server.
 
 mod auth;
+mod batch_delivery;
 mod chaos;
 mod cli;
 mod cloudevents;

@@ -20,7 +20,7 @@ mod plan;
 mod worker;
 
 use std::collections::BTreeSet;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -28,12 +28,13 @@ use async_nats::jetstream::kv::{Entry, Operation};
 use async_nats::jetstream::AckKind;
 use futures::StreamExt;
 use tokio::sync::broadcast::{error::RecvError, Receiver};
+use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio_stream::wrappers::{errors::BroadcastStreamRecvError, BroadcastStream};
 use tokio_util::sync::CancellationToken;
 
 use self::keys::KeyLocator;
-use self::worker::{run_worker, unblocked_event, BlockedLanes, LaneShared, LaneState};
+use self::worker::{run_batch_worker, run_worker, unblocked_event, Batching, BlockedLanes, LaneShared, LaneState};
 use super::lanes::{LaneId, Lanes};
 use super::pin::PinState;
 use super::pull::{DeliveryGaps, OpenPulls};
@@ -218,6 +219,13 @@ impl Driver {
             Dispatch::Concurrent(_) | Dispatch::Lanes(_) => None,
         };
         let metrics = Arc::new(DeliveryMetrics::of(&who));
+        let batching = match &*endpoint {
+            Endpoint::Webhook(webhook) => webhook
+                .registration
+                .batch
+                .map(|spec| Arc::new(Batching { spec, arrived: Notify::new(), filling: AtomicUsize::new(0) })),
+            Endpoint::Socket(_) | Endpoint::Pull(_) => None,
+        };
         let shared = LaneShared {
             ctx,
             who,
@@ -229,6 +237,7 @@ impl Driver {
             gone: Arc::default(),
             wake: Arc::default(),
             metrics,
+            batching,
         };
         Some(Self {
             shared,
@@ -456,14 +465,27 @@ impl Driver {
     }
 
     /// Starts a lane worker for every message that may go now (each worker
-    /// then takes the next one itself).
+    /// then takes the next one itself); a batching webhook's workers take
+    /// a batch each, and none starts while one waits to fill.
     fn dispatch(&mut self) {
         if !self.may_deliver() {
             return;
         }
-        let ready = self.shared.lock().lanes.dispatch();
-        for first in ready {
-            self.lane_tasks.spawn(run_worker(self.shared.clone(), first));
+        if let Some(batching) = self.shared.batching.clone() {
+            batching.arrived.notify_waiters();
+            while batching.filling.load(Ordering::Acquire) == 0 {
+                let batch = batching.take(&mut self.shared.lock().lanes, 0, 0);
+                if batch.is_empty() {
+                    break;
+                }
+                batching.begin(&batch);
+                self.lane_tasks.spawn(run_batch_worker(self.shared.clone(), batching.clone(), batch));
+            }
+        } else {
+            let ready = self.shared.lock().lanes.dispatch();
+            for first in ready {
+                self.lane_tasks.spawn(run_worker(self.shared.clone(), first));
+            }
         }
         // Reap finished lane workers.
         while let Some(done) = self.lane_tasks.try_join_next() {

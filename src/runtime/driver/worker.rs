@@ -5,7 +5,7 @@
 //! starts or continues one.
 
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -17,10 +17,11 @@ use crate::cluster::roster::Roster;
 use crate::delivery::message::Held;
 use crate::events::{About, Event};
 use crate::names::MemberRef;
-use crate::runtime::deliver::{dead_letter_and_term, deliver, DeliveryMetrics, Outcome};
+use crate::runtime::deliver::{dead_letter_and_term, deliver, deliver_batch, BatchOutcome, DeliveryMetrics, Outcome};
 use crate::runtime::endpoint::Endpoint;
 use crate::runtime::lanes::{Blocked, Dispatched, LaneId, LaneKey, Lanes, Settled, Settlement};
 use crate::runtime::Runtime;
+use crate::webhook::BatchSpec;
 
 /// Lane state shared by the session and the lane workers. Never held across
 /// an await.
@@ -142,6 +143,43 @@ pub(super) struct LaneShared {
     pub gone: Arc<AtomicBool>,
     pub wake: Arc<Notify>,
     pub metrics: Arc<DeliveryMetrics>,
+    /// Batched deliveries: the registration's batch, the signal that more
+    /// messages arrived (for a batch waiting to fill), and how many
+    /// batches are filling now.
+    pub batching: Option<Arc<Batching>>,
+}
+
+/// What batch workers share.
+pub(super) struct Batching {
+    pub spec: BatchSpec,
+    pub arrived: Notify,
+    pub filling: AtomicUsize,
+}
+
+impl Batching {
+    /// More messages for `batch` (which holds `filled` payload bytes), as the spec allows.
+    pub fn take(&self, lanes: &mut Lanes<Held>, batch_len: usize, filled: usize) -> Vec<Dispatched<Held>> {
+        let room = (self.spec.max_messages as usize).saturating_sub(batch_len);
+        if room == 0 {
+            return Vec::new();
+        }
+        lanes.dispatch_batch(room, self.spec.max_bytes(), filled, |held| held.message.payload.len())
+    }
+
+    /// Whether `batch` waits to fill: it is short of `max_messages` and the
+    /// spec gives a wait.
+    fn waits_to_fill(&self, batch: &[Dispatched<Held>]) -> bool {
+        !batch.is_empty() && !self.spec.max_wait().is_zero() && batch.len() < self.spec.max_messages as usize
+    }
+
+    /// Counts `batch` as filling, if it waits to: no other batch starts
+    /// until [`fill`] is done with it. Called where the batch is taken, so
+    /// that the count is up before anything else could take a batch.
+    pub fn begin(&self, batch: &[Dispatched<Held>]) {
+        if self.waits_to_fill(batch) {
+            self.filling.fetch_add(1, Ordering::AcqRel);
+        }
+    }
 }
 
 impl LaneShared {
@@ -164,27 +202,130 @@ pub(super) async fn run_worker(shared: LaneShared, first: Dispatched<Held>) {
             shared.gone.store(true, Ordering::Relaxed);
             shared.wake.notify_one();
         }
-        let naked = matches!(outcome.settled, Settled::Naked { .. });
         let mut state = shared.lock();
-        let was_blocked = state.lanes.blocked_lane(&lane).is_some();
-        state.lanes.settle(&lane, seq, outcome.settled);
-        let blocked = state.lanes.blocked_lane(&lane).cloned();
-        let about = shared.ctx.about(&shared.who);
-        if naked && !state.blocked_reported.contains(&lane) {
-            state.blocked_reported.insert(&lane);
-            if let Some(b) = blocked {
-                shared.ctx.events.emit(blocked_event(about, &lane, &b));
-            }
-        } else if was_blocked && blocked.is_none() {
-            state.blocked_reported.remove(&lane);
-            shared.ctx.events.emit(unblocked_event(about, &lane, seq, None));
-        }
+        settle_and_report(&shared, &mut state, &lane, seq, outcome.settled);
         next = if shared.serving.load(Ordering::Relaxed) && !shared.gone.load(Ordering::Relaxed) {
             state.lanes.dispatch_one()
         } else {
             None
         };
     }
+}
+
+/// Records a message's settlement in its lane and reports the lane
+/// blocked (its head NAK'd) or unblocked (its head passed).
+fn settle_and_report(shared: &LaneShared, state: &mut LaneState, lane: &LaneId, seq: u64, settled: Settled) {
+    let naked = matches!(settled, Settled::Naked { .. });
+    let was_blocked = state.lanes.blocked_lane(lane).is_some();
+    state.lanes.settle(lane, seq, settled);
+    let blocked = state.lanes.blocked_lane(lane).cloned();
+    let about = shared.ctx.about(&shared.who);
+    if naked && !state.blocked_reported.contains(lane) {
+        state.blocked_reported.insert(lane);
+        if let Some(b) = blocked {
+            shared.ctx.events.emit(blocked_event(about, lane, &b));
+        }
+    } else if was_blocked && blocked.is_none() {
+        state.blocked_reported.remove(lane);
+        shared.ctx.events.emit(unblocked_event(about, lane, seq, None));
+    }
+}
+
+/// Delivers `first` as one batched request, then further batches for as
+/// long as something may go. A batch short of `max_messages` first waits
+/// up to `max_wait_ms` for more. Each batch is settled in its lanes before
+/// the next is taken.
+pub(super) async fn run_batch_worker(shared: LaneShared, batching: Arc<Batching>, first: Vec<Dispatched<Held>>) {
+    let mut next = first;
+    while !next.is_empty() {
+        fill(&shared, &batching, &mut next).await;
+        let batch: Vec<(LaneId, Held)> = next.iter().map(|d| (d.lane.clone(), d.message.clone())).collect();
+        let fencing = shared.fencing.load(Ordering::Relaxed);
+        let delivery = deliver_batch(
+            shared.ctx.clone(),
+            shared.who.clone(),
+            shared.endpoint.clone(),
+            &batch,
+            fencing,
+            &shared.metrics,
+        );
+        // A panic must not leave the lanes marked in flight for ever.
+        let outcome = match std::panic::AssertUnwindSafe(delivery).catch_unwind().await {
+            Ok(outcome) => outcome,
+            Err(_) => {
+                tracing::error!(messages = batch.len(), "batch delivery panicked; its messages will be retried");
+                let error = "keygate failed while delivering".to_owned();
+                let mut settled = Vec::new();
+                for (_, held) in &batch {
+                    let _ = held.message.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await;
+                    settled.push(Settled::Naked { attempts: held.attempt, error: error.clone() });
+                }
+                BatchOutcome { settled, events: Vec::new(), gone: false }
+            }
+        };
+        let mut outcome = outcome;
+        skip_failed_heads(&shared, &batch, &mut outcome).await;
+        for e in outcome.events {
+            shared.ctx.events.emit(e);
+        }
+        if outcome.gone {
+            shared.gone.store(true, Ordering::Relaxed);
+            shared.wake.notify_one();
+        }
+        let mut state = shared.lock();
+        for (dispatched, settled) in next.iter().zip(outcome.settled) {
+            settle_and_report(&shared, &mut state, &dispatched.lane, dispatched.seq, settled);
+        }
+        next = if shared.serving.load(Ordering::Relaxed) && !shared.gone.load(Ordering::Relaxed) {
+            let next = batching.take(&mut state.lanes, 0, 0);
+            batching.begin(&next);
+            next
+        } else {
+            Vec::new()
+        };
+    }
+}
+
+/// Dead-letters the messages of a batch that failed while an operator asked
+/// to skip them (their lane's head), as [`deliver_one`] does for one.
+async fn skip_failed_heads(shared: &LaneShared, batch: &[(LaneId, Held)], outcome: &mut BatchOutcome) {
+    for ((lane, held), settled) in batch.iter().zip(outcome.settled.iter_mut()) {
+        if !matches!(settled, Settled::Naked { .. }) || !shared.lock().skip_requested.remove(lane) {
+            continue;
+        }
+        match dead_letter_and_term(&shared.ctx, &shared.who, held, "skipped by an operator").await {
+            Ok(mut events) => {
+                outcome.events.append(&mut events);
+                *settled = Settled::Done(Settlement::Terminated);
+            }
+            Err(e) => tracing::warn!(error = %e, partition = lane.partition, "could not dead-letter a skipped message"),
+        }
+    }
+}
+
+/// Tops `batch` up with messages arriving within `max_wait_ms`, until it
+/// is full. While it fills (counted by [`Batching::begin`]), the driver
+/// starts no other batch.
+async fn fill(shared: &LaneShared, batching: &Batching, batch: &mut Vec<Dispatched<Held>>) {
+    if !batching.waits_to_fill(batch) {
+        return;
+    }
+    let full = |batch: &Vec<Dispatched<Held>>| batch.len() >= batching.spec.max_messages as usize;
+    let deadline = tokio::time::Instant::now() + batching.spec.max_wait();
+    loop {
+        let arrived = batching.arrived.notified();
+        let timed_out = tokio::select! {
+            _ = arrived => false,
+            _ = tokio::time::sleep_until(deadline) => true,
+        };
+        let filled: usize = batch.iter().map(|d| d.message.message.payload.len()).sum();
+        let more = batching.take(&mut shared.lock().lanes, batch.len(), filled);
+        batch.extend(more);
+        if timed_out || full(batch) || !shared.serving.load(Ordering::Relaxed) {
+            break;
+        }
+    }
+    batching.filling.fetch_sub(1, Ordering::AcqRel);
 }
 
 /// One delivery and its verdict; a head an operator asked to skip while it
