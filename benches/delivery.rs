@@ -11,6 +11,9 @@
 //! - the user's order (a backlog published through keygate's REST API
 //!   first, then the member registers), keygate as its own process with
 //!   its CPU share, against the raw consumers on the same backlog;
+//! - batched webhook deliveries (batches of 100) to a receiver that costs
+//!   1 ms per request (answering requests in parallel, or one at a time),
+//!   against keygate unbatched and the raw consumer with 256 in flight;
 //! - a poison key: the rate of its partition's other keys with and without it;
 //! - memory: a million distinct keys through one member of a keygate process;
 //! - the failover time when the pinned keygate process is killed.
@@ -20,7 +23,8 @@
 //! `KEYGATE_BENCH_PROFILE=partition|key` runs only keygate's delivery with
 //! an instant receiver in that ordering, for a profiler;
 //! `KEYGATE_BENCH_USER_PATH=partition|key` runs only the user's order, with
-//! `KEYGATE_BENCH_WORK_MS` of work per request, default 0).
+//! `KEYGATE_BENCH_WORK_MS` of work per request, default 0;
+//! `KEYGATE_BENCH_BATCHED=1` runs only the batched rows).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -58,6 +62,9 @@ struct Sink {
     /// Requests being answered now, and the most at once.
     in_flight: Arc<AtomicU64>,
     most_in_flight: Arc<AtomicU64>,
+    /// Set: the receiver works on one request at a time (a single worker,
+    /// a lock), so its cost is paid per request in series.
+    serial: Option<Arc<tokio::sync::Mutex<()>>>,
 }
 
 impl Sink {
@@ -73,43 +80,66 @@ impl Sink {
             watched_arrivals: Arc::default(),
             in_flight: Arc::default(),
             most_in_flight: Arc::default(),
+            serial: None,
         }
     }
 
+    /// A receiver that works on one request at a time.
+    fn serial(work: Duration) -> Self {
+        Self { serial: Some(Arc::default()), ..Self::new(work) }
+    }
+
     async fn serve(self) -> String {
-        let app = Router::new().fallback(move |headers: HeaderMap| {
+        let app = Router::new().fallback(move |headers: HeaderMap, body: Bytes| {
             let sink = self.clone();
             async move {
                 let now = sink.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
                 sink.most_in_flight.fetch_max(now, Ordering::Relaxed);
                 let _leaving = InFlight(sink.in_flight.clone());
+                let _turn = match &sink.serial {
+                    Some(lock) => Some(lock.clone().lock_owned().await),
+                    None => None,
+                };
                 if !sink.work.is_zero() {
                     let work = sink.work;
                     let _ = tokio::task::spawn_blocking(move || std::thread::sleep(work)).await;
                 }
-                let key = headers.get("keygate-key").and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned();
-                if sink.poison.as_deref() == Some(key.as_str()) {
+                let header =
+                    |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned();
+                // A batch (docs/batched-deliveries.md) carries each message's key
+                // and sequence in its body; a single delivery in its headers.
+                let batched = headers.contains_key("keygate-batch-size");
+                let messages: Vec<(String, u64)> = if batched {
+                    let batch: Vec<Value> = serde_json::from_slice(&body).unwrap_or_default();
+                    batch
+                        .iter()
+                        .map(|m| {
+                            (m["key"].as_str().unwrap_or_default().to_owned(), m["stream_seq"].as_u64().unwrap_or(0))
+                        })
+                        .collect()
+                } else {
+                    vec![(header("keygate-key"), header("keygate-stream-seq").parse().unwrap_or(0))]
+                };
+                if messages.iter().any(|(key, _)| sink.poison.as_deref() == Some(key.as_str())) {
                     return (axum::http::StatusCode::INTERNAL_SERVER_ERROR, "poison");
                 }
-                if sink.watched.contains(&key) {
-                    sink.watched_arrivals.lock().unwrap().push(Instant::now());
-                }
-                let seq: u64 = headers
-                    .get("keygate-stream-seq")
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(0);
-                {
-                    let mut last = sink.last_by_key.lock().unwrap();
-                    let previous = last.entry(key).or_insert(0);
-                    if seq < *previous {
-                        sink.reorders.fetch_add(1, Ordering::Relaxed);
+                for (key, seq) in messages {
+                    if sink.watched.contains(&key) {
+                        sink.watched_arrivals.lock().unwrap().push(Instant::now());
                     }
-                    *previous = (*previous).max(seq);
+                    {
+                        let mut last = sink.last_by_key.lock().unwrap();
+                        let previous = last.entry(key).or_insert(0);
+                        if seq < *previous {
+                            sink.reorders.fetch_add(1, Ordering::Relaxed);
+                        }
+                        *previous = (*previous).max(seq);
+                    }
+                    sink.arrivals.lock().unwrap().push(Instant::now());
+                    sink.done.fetch_add(1, Ordering::Relaxed);
                 }
-                sink.arrivals.lock().unwrap().push(Instant::now());
-                sink.done.fetch_add(1, Ordering::Relaxed);
-                (axum::http::StatusCode::OK, "ok")
+                // A batch's 2xx acks all only with an empty body.
+                (axum::http::StatusCode::OK, if batched { "" } else { "ok" })
             }
         });
         let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
@@ -377,6 +407,45 @@ async fn user_path(http: &reqwest::Client, work: Duration, keys: &[u64], orderin
     }
 }
 
+/// Batched webhook deliveries against a receiver that costs `work` per
+/// request (not per message), key ordering: keygate unbatched, keygate
+/// with batches of 100, and the raw consumer with 256 deliveries in
+/// flight (the most the server gives one consumer here), one message per
+/// request. With `serial`, the receiver works on one request at a time.
+/// Rates and reorders.
+async fn batched(rig: &support::Rig, keys: &[u64], work: Duration, serial: bool) -> [(f64, u64); 3] {
+    let sink = || if serial { Sink::serial(work) } else { Sink::new(work) };
+    let mut rows = [(0.0, 0); 3];
+    for (i, batch) in [None, Some(100)].into_iter().enumerate() {
+        let sink = sink();
+        let url = sink.clone().serve().await;
+        let hook = match batch {
+            Some(n) => json!({"batch": {"max_messages": n}}),
+            None => json!({}),
+        };
+        rows[i] = (keygate_ordered(rig, &url, &sink, keys, "key", hook).await, sink.reorders.load(Ordering::Relaxed));
+    }
+    let raw_sink = sink();
+    let raw_url = raw_sink.clone().serve().await;
+    rows[2] = (raw_concurrent(&rig.js, &raw_url, &raw_sink, keys, 256).await, 0);
+    rows
+}
+
+/// Both receivers' batched rows, measured and printed.
+async fn print_batched(rig: &support::Rig, keys: &[u64]) {
+    println!("| receiver, 1 ms per request | keygate unbatched | keygate, batches of 100 | raw, 256 in flight, one per request | batched / unbatched | batched / raw | reorders | target |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for (label, serial) in [("requests in parallel", false), ("one request at a time", true)] {
+        let [(single, r1), (batched, r2), (raw, _)] = batched(rig, keys, Duration::from_millis(1), serial).await;
+        println!(
+            "| {label} | {single:.0} msg/s | {batched:.0} msg/s | {raw:.0} msg/s | {:.1}× | {:.2}× | {} | ≥ 20×, ≥ 0.9×, 0 |",
+            batched / single,
+            batched / raw,
+            r1 + r2
+        );
+    }
+}
+
 /// Two keygate processes serve one member; messages flow at a steady rate;
 /// the pinned one is killed. Returns (seconds until deliveries resume, reorders).
 async fn failover(nats: &NatsEndpoint, http: &reqwest::Client, js: &jetstream::Context) -> (f64, u64) {
@@ -526,6 +595,11 @@ async fn main() -> anyhow::Result<()> {
         rig.stop().await;
         return Ok(());
     }
+    if std::env::var("KEYGATE_BENCH_BATCHED").is_ok() {
+        print_batched(&rig, &uniform).await;
+        rig.stop().await;
+        return Ok(());
+    }
     if let Ok(ordering) = std::env::var("KEYGATE_BENCH_PROFILE") {
         let sink = Sink::new(Duration::ZERO);
         let url = sink.clone().serve().await;
@@ -568,6 +642,10 @@ async fn main() -> anyhow::Result<()> {
         );
         assert_eq!(reorders, 0, "no per-key reorder");
     }
+
+    println!();
+    println!("batched webhook deliveries (key ordering, 1,000 keys)");
+    print_batched(&rig, &uniform).await;
 
     println!();
     println!("the user's order: a backlog published through keygate first, then the member registers (keygate as its own process)");

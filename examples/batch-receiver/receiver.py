@@ -13,11 +13,14 @@ a key at its first failure and answers "retry" for the rest of that key.
 import json
 import os
 import sys
+import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from standardwebhooks import Webhook
 
 webhook = Webhook(os.environ["KEYGATE_SECRET"])
+# Requests are served on threads: one line at a time.
+printing = threading.Lock()
 
 
 def handle(message):
@@ -25,7 +28,8 @@ def handle(message):
     data = message.get("data")
     if isinstance(data, dict) and data.get("poison"):
         return "dead"
-    print(f"{message['key']} #{message['stream_seq']}: {json.dumps(data)}", flush=True)
+    with printing:
+        print(f"{message['key']} #{message['stream_seq']}: {json.dumps(data)}", flush=True)
     return "ack"
 
 

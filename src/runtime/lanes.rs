@@ -462,6 +462,11 @@ impl<M: Clone> Lanes<M> {
             .unwrap_or(0)
     }
 
+    /// Most messages in flight at once.
+    pub fn max_in_flight(&self) -> usize {
+        self.max_in_flight
+    }
+
     /// Messages in flight now.
     pub fn in_flight(&self) -> usize {
         self.in_flight

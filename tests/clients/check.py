@@ -9,6 +9,7 @@ from keygate_client.api.groups import get_group, put_group
 from keygate_client.api.messages import publish_message
 from keygate_client.api.pull import fetch_member, settle_member
 from keygate_client.api.streams import get_stream, put_stream
+from keygate_client.api.webhooks import put_webhook
 from keygate_client.models import (
     AckAnswer,
     AckRequest,
@@ -19,6 +20,8 @@ from keygate_client.models import (
     PublishAck,
     PublishRequest,
     StreamSpec,
+    WebhookSpec,
+    WebhookView,
 )
 
 base = sys.argv[1]
@@ -58,8 +61,14 @@ for _ in range(20):
 assert [s[0] for s in seen] == sorted(s[0] for s in seen) and len(seen) == 4, seen
 assert all(attempt == 1 and key == "bob" for _, attempt, key in seen), seen
 
+# A batched webhook for m2: the batch options go in and come back.
+hook = WebhookSpec.from_dict({"url": "http://127.0.0.1:9/hook", "batch": {"max_messages": 100, "max_wait_ms": 20}})
+registered = put_webhook.sync_detailed(client=client, stream="PY", group="g", member="m2", body=hook)
+assert registered.status_code == 201 and isinstance(registered.parsed, WebhookView), registered
+assert registered.parsed.batch.max_messages == 100 and registered.parsed.batch.max_wait_ms == 20, registered.parsed
+
 missing = get_stream.sync_detailed(client=client, stream="NOPE")
 assert missing.status_code == 404, missing
 problem = missing.parsed
 assert isinstance(problem, Problem) and problem.status == 404 and problem.detail, problem
-print("python client: published 4 payload kinds, created and read a group, fetched and acked as a pull member, parsed a 404 problem")
+print("python client: published 4 payload kinds, created and read a group, fetched and acked as a pull member, registered a batched webhook, parsed a 404 problem")

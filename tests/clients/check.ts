@@ -66,13 +66,22 @@ async function main(): Promise<void> {
   }
   if (seqs.length !== 5 || seqs.some((s, i) => i > 0 && s < seqs[i - 1])) fail(`pulled ${JSON.stringify(seqs)}`);
 
+  // A batched webhook for the other member: the batch options go in and come back.
+  const other = view.data.members.find((m) => m !== owner) ?? fail("no other member");
+  const hook = await client.PUT("/v1/streams/{stream}/groups/{group}/members/{member}/webhook", {
+    params: { path: { stream: "TSC", group: "g", member: other } },
+    body: { url: "http://127.0.0.1:9/hook", batch: { max_messages: 100, max_wait_ms: 20 } },
+  });
+  const registered: components["schemas"]["WebhookView"] = hook.data ?? fail(`webhook: ${hook.response.status}`);
+  if (registered.batch?.max_messages !== 100 || registered.batch?.max_wait_ms !== 20) fail(JSON.stringify(registered));
+
   // A problem answer parses as the document says.
   const missing = await client.GET("/v1/streams/{stream}", { params: { path: { stream: "NOPE" } } });
   const problem: Problem | undefined = missing.error;
   if (missing.response.status !== 404 || !problem || problem.status !== 404 || !problem.detail) {
     fail(`problem: ${JSON.stringify(problem)}`);
   }
-  console.log("typescript client: published 5 payload kinds, created and read a group, fetched and acked as a pull member, parsed a 404 problem");
+  console.log("typescript client: published 5 payload kinds, created and read a group, fetched and acked as a pull member, registered a batched webhook, parsed a 404 problem");
 }
 
 main().catch((e: unknown) => {

@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::support::receiver::{Answer, Receiver, Recorded};
-use crate::support::{eventually, TestApp};
+use crate::support::{eventually, http_client, KeygateProcess, NatsServer, TestApp};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -323,4 +323,61 @@ async fn the_python_example_receiver_works() {
 #[tokio::test]
 async fn the_node_example_receiver_works() {
     example_receiver("node", "receiver.mjs").await;
+}
+
+/// A batch cut off by a SIGKILL of the keygate delivering it is never
+/// acked: the standby delivers it again, and every message is done, in
+/// each key's order, with nothing lost.
+#[tokio::test]
+async fn a_batch_cut_by_a_keygate_sigkill_is_redelivered_without_loss() {
+    let server = NatsServer::start();
+    let http = http_client();
+    let mut first = KeygateProcess::start(&server.url(), "keygate-a");
+    first.wait_ready(&http).await;
+    // Answers slowly, so that batches are in flight at the kill.
+    let receiver = Receiver::start(|r, _| Answer { delay: Duration::from_millis(300), ..results(r, |_| "ack") }).await;
+    let admin = TestApp::start_on(server.url()).await;
+    let api = |path: &str| format!("{}{}", first.base, path);
+    let put = |path: String, body: Value| http.put(path).json(&body).send();
+    let stream = json!({"subjects":["k.*"],"partitions":4});
+    assert_eq!(put(api("/v1/streams/K"), stream).await.unwrap().status(), 201);
+    let group = json!({"kind":"static","partitions":4,"members":["m1"],"ack_wait_ms":2000});
+    assert_eq!(put(api("/v1/streams/K/groups/g"), group).await.unwrap().status(), 201);
+    let hook = json!({"url": receiver.url("/m1"), "batch": {"max_messages": 25}});
+    assert_eq!(put(api("/v1/streams/K/groups/g/members/m1/webhook"), hook).await.unwrap().status(), 201);
+    let keys: Vec<String> = (0..20).map(|k| format!("k{k}")).collect();
+    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let published = publish(&admin, &key_refs, 30).await;
+    eventually(WAIT, || async { (!receiver.requests().is_empty()).then_some(()) }).await;
+    first.kill();
+    let all: usize = published.values().map(Vec::len).sum();
+    let requests = eventually(Duration::from_secs(60), || async {
+        let requests = receiver.requests();
+        let done = effective_acks(&requests, |_| "ack");
+        let distinct: usize =
+            done.values().map(|seqs| seqs.iter().collect::<std::collections::HashSet<_>>().len()).sum();
+        (distinct == all).then_some(requests)
+    })
+    .await;
+    // Each key's messages, as the receiver saw them: the next one in the
+    // key's order, or back to one already seen (the cut batch, again from
+    // the first message its keygate had not acked); never a skip forward.
+    let done = effective_acks(&requests, |_| "ack");
+    for (key, seqs) in &published {
+        let at = |seq: &u64| seqs.iter().position(|s| s == seq).unwrap();
+        let seen: Vec<usize> = done[key].iter().map(at).collect();
+        assert_eq!(seen[0], 0, "key {key} starts at its first message");
+        for pair in seen.windows(2) {
+            assert!(
+                pair[1] == pair[0] + 1 || pair[1] <= pair[0],
+                "key {key}: skipped from #{} to #{}",
+                pair[0],
+                pair[1]
+            );
+        }
+        assert_eq!(seen.iter().max(), Some(&(seqs.len() - 1)), "key {key}: every message delivered");
+    }
+    let fencings: std::collections::BTreeSet<u64> = requests.iter().map(Recorded::fencing).collect();
+    assert!(fencings.len() >= 2, "the standby delivered after the kill: {fencings:?}");
+    assert_eq!(admin.metric("keygate_acks_without_verdict_total").await, 0.0);
 }

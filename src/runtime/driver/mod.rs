@@ -20,7 +20,7 @@ mod plan;
 mod worker;
 
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -28,7 +28,6 @@ use async_nats::jetstream::kv::{Entry, Operation};
 use async_nats::jetstream::AckKind;
 use futures::StreamExt;
 use tokio::sync::broadcast::{error::RecvError, Receiver};
-use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio_stream::wrappers::{errors::BroadcastStreamRecvError, BroadcastStream};
 use tokio_util::sync::CancellationToken;
@@ -220,10 +219,9 @@ impl Driver {
         };
         let metrics = Arc::new(DeliveryMetrics::of(&who));
         let batching = match &*endpoint {
-            Endpoint::Webhook(webhook) => webhook
-                .registration
-                .batch
-                .map(|spec| Arc::new(Batching { spec, arrived: Notify::new(), filling: AtomicUsize::new(0) })),
+            Endpoint::Webhook(webhook) => {
+                webhook.registration.batch.map(|spec| Arc::new(Batching::new(spec, lanes.max_in_flight())))
+            }
             Endpoint::Socket(_) | Endpoint::Pull(_) => None,
         };
         let shared = LaneShared {
@@ -473,13 +471,14 @@ impl Driver {
         }
         if let Some(batching) = self.shared.batching.clone() {
             batching.arrived.notify_waiters();
-            while batching.filling.load(Ordering::Acquire) == 0 {
+            while batching.may_start() {
                 let batch = batching.take(&mut self.shared.lock().lanes, 0, 0);
                 if batch.is_empty() {
                     break;
                 }
                 batching.begin(&batch);
-                self.lane_tasks.spawn(run_batch_worker(self.shared.clone(), batching.clone(), batch));
+                let requests = batching.request_started();
+                self.lane_tasks.spawn(run_batch_worker(self.shared.clone(), batching.clone(), requests, batch));
             }
         } else {
             let ready = self.shared.lock().lanes.dispatch();

@@ -152,11 +152,48 @@ pub(super) struct LaneShared {
 /// What batch workers share.
 pub(super) struct Batching {
     pub spec: BatchSpec,
+    /// More messages arrived (a batch waiting to fill looks again).
     pub arrived: Notify,
-    pub filling: AtomicUsize,
+    /// Batches waiting to fill now.
+    filling: AtomicUsize,
+    /// Batch workers running now, and the most that may: messages arrive
+    /// one by one, so a worker started for each would send batches of one;
+    /// with few workers, what arrives while they send makes the next batches.
+    workers: Arc<AtomicUsize>,
+    max_workers: usize,
+}
+
+/// Most batch workers of one instance: enough for `max_in_flight` in full
+/// batches, and at least one.
+const MAX_BATCH_WORKERS: usize = 8;
+
+/// Counts one batch worker while it lives.
+pub(super) struct BatchWorker(Arc<AtomicUsize>);
+
+impl Drop for BatchWorker {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl Batching {
+    pub fn new(spec: BatchSpec, max_in_flight: usize) -> Self {
+        let max_workers = (max_in_flight / spec.max_messages.max(1) as usize).clamp(1, MAX_BATCH_WORKERS);
+        Self { spec, arrived: Notify::new(), filling: AtomicUsize::new(0), workers: Arc::default(), max_workers }
+    }
+
+    /// Whether the driver may start another batch worker now: none is
+    /// waiting for its batch to fill, and fewer than the most are running.
+    pub fn may_start(&self) -> bool {
+        self.filling.load(Ordering::Acquire) == 0 && self.workers.load(Ordering::Acquire) < self.max_workers
+    }
+
+    /// Counts a worker about to start.
+    pub fn request_started(&self) -> BatchWorker {
+        self.workers.fetch_add(1, Ordering::AcqRel);
+        BatchWorker(self.workers.clone())
+    }
+
     /// More messages for `batch` (which holds `filled` payload bytes), as the spec allows.
     pub fn take(&self, lanes: &mut Lanes<Held>, batch_len: usize, filled: usize) -> Vec<Dispatched<Held>> {
         let room = (self.spec.max_messages as usize).saturating_sub(batch_len);
@@ -235,7 +272,12 @@ fn settle_and_report(shared: &LaneShared, state: &mut LaneState, lane: &LaneId, 
 /// long as something may go. A batch short of `max_messages` first waits
 /// up to `max_wait_ms` for more. Each batch is settled in its lanes before
 /// the next is taken.
-pub(super) async fn run_batch_worker(shared: LaneShared, batching: Arc<Batching>, first: Vec<Dispatched<Held>>) {
+pub(super) async fn run_batch_worker(
+    shared: LaneShared,
+    batching: Arc<Batching>,
+    _counted: BatchWorker,
+    first: Vec<Dispatched<Held>>,
+) {
     let mut next = first;
     while !next.is_empty() {
         fill(&shared, &batching, &mut next).await;
