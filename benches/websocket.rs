@@ -2,7 +2,9 @@
 //! client over 16 partitions (the WebSocket client acks each message as it
 //! arrives; the pull client fetches up to 100 and acks each batch in one
 //! request), beside a raw async-nats consumer with the same filters acking
-//! each partition's messages serially in the same run; then the memory
+//! each partition's messages serially in the same run, and a WebSocket
+//! client joined with `batch=100` answering each batch frame in one
+//! frame; then the memory
 //! 1,000 idle member connections add to a keygate process.
 //!
 //! `cargo bench --bench websocket` (env `KEYGATE_BENCH_MESSAGES`, default 20000).
@@ -25,6 +27,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const PARTITIONS: u32 = 16;
 const KEYS: u64 = 1000;
+/// Messages per frame of the batched WebSocket client.
+const BATCH: u32 = 100;
 const IDLE_CONNECTIONS: usize = 1000;
 /// Idle connections are measured spread over 100 members (10 instances
 /// each: a pinned one and standbys) and over 1,000 members (one each).
@@ -75,12 +79,24 @@ impl Reorders {
     }
 }
 
-/// One WebSocket client acking every message as it arrives; returns the
-/// rate from the first to the last message and the reorders seen.
-async fn keygate_ws(kg: &KeygateProcess, http: &reqwest::Client, js: &jetstream::Context, n: u64) -> (f64, u64) {
-    backlog_group(kg, http, js, "WS", n).await;
-    let (mut socket, _) =
-        tokio_tungstenite::connect_async_with_config(kg.ws("WS", "g", "m"), None, true).await.unwrap();
+/// One WebSocket client acking every message as it arrives (with `batch`:
+/// joined with `?batch=`, answering each batch frame with one results
+/// frame); returns the rate from the first to the last message and the
+/// reorders seen.
+async fn keygate_ws(
+    kg: &KeygateProcess,
+    http: &reqwest::Client,
+    js: &jetstream::Context,
+    n: u64,
+    batch: Option<u32>,
+) -> (f64, u64) {
+    let stream = if batch.is_some() { "WSB" } else { "WS" };
+    backlog_group(kg, http, js, stream, n).await;
+    let url = match batch {
+        Some(size) => format!("{}?batch={size}", kg.ws(stream, "g", "m")),
+        None => kg.ws(stream, "g", "m"),
+    };
+    let (mut socket, _) = tokio_tungstenite::connect_async_with_config(url, None, true).await.unwrap();
     let mut received = 0u64;
     let mut reorders = Reorders::default();
     let mut first = None;
@@ -88,17 +104,24 @@ async fn keygate_ws(kg: &KeygateProcess, http: &reqwest::Client, js: &jetstream:
     while received < n {
         let frame = tokio::time::timeout(Duration::from_secs(60), socket.next()).await.unwrap().unwrap().unwrap();
         let Message::Text(text) = frame else { continue };
-        let value: Value = serde_json::from_str(text.as_str()).unwrap();
-        if value["type"] != "message" {
-            continue;
-        }
+        let mut value: Value = serde_json::from_str(text.as_str()).unwrap();
+        let messages = match value["type"].as_str() {
+            Some("message") => vec![value],
+            Some("batch") => value["messages"].take().as_array().cloned().unwrap_or_default(),
+            _ => continue,
+        };
         let now = Instant::now();
         first.get_or_insert(now);
         last = now;
-        received += 1;
-        reorders.see(&value);
-        let ack = json!({"type":"ack","id":value["id"]}).to_string();
-        socket.send(Message::Text(ack.into())).await.unwrap();
+        received += messages.len() as u64;
+        messages.iter().for_each(|message| reorders.see(message));
+        let answer = if batch.is_some() {
+            let results: Vec<Value> = messages.iter().map(|m| json!({"id": m["id"], "status": "ack"})).collect();
+            json!({"type": "results", "results": results})
+        } else {
+            json!({"type": "ack", "id": messages[0]["id"]})
+        };
+        socket.send(Message::Text(answer.to_string().into())).await.unwrap();
     }
     let _ = socket.close(None).await;
     ((n - 1) as f64 / (last - first.unwrap()).as_secs_f64(), reorders.count)
@@ -221,10 +244,17 @@ async fn main() -> anyhow::Result<()> {
     );
     println!("|---|---|---|---|---|");
     let raw = raw_ordered(&js, &http, &kg.base, n).await;
-    let (rate, reorders) = keygate_ws(&kg, &http, &js, n).await;
+    let (rate, reorders) = keygate_ws(&kg, &http, &js, n, None).await;
     println!(
         "| acked messages/s, one client | {raw:.0} msg/s | {rate:.0} msg/s | {:.2}× | ≥ 10,000 msg/s |",
         rate / raw
+    );
+    assert_eq!(reorders, 0, "no per-key reorder");
+    let (batched, reorders) = keygate_ws(&kg, &http, &js, n, Some(BATCH)).await;
+    println!(
+        "| acked messages/s, one client, batch frames of {BATCH} (one results frame each) | {raw:.0} msg/s | {batched:.0} msg/s | {:.2}× (batched / unbatched: {:.2}×) | batched ≥ 1.5× unbatched |",
+        batched / raw,
+        batched / rate
     );
     assert_eq!(reorders, 0, "no per-key reorder");
     let (pulled, reorders) = keygate_pull(&kg, &http, &js, n).await;

@@ -49,6 +49,11 @@
 /**
  * @typedef {object} JoinOptions
  * @property {number} [maxInFlight] Key ordering: messages out at once (1–1000).
+ * @property {number} [batch] Messages per frame (1–1000): keygate sends them
+ *   together, and the verdicts of a frame's messages go back in one frame
+ *   once each has one. Iterating is unchanged.
+ * @property {number} [batchWaitMs] With `batch`: how long a frame that is
+ *   not full waits for more messages (0–10000, default 0).
  * @property {number} [maxAttempts] Deliveries before a message is dead-lettered.
  * @property {(pin: PinInfo) => void} [onPinned] This connection holds the member's pin.
  * @property {(pin: PinInfo) => void} [onStandby] Another instance holds it; this one waits.
@@ -89,8 +94,9 @@ export class Message {
     /**
      * @param {Record<string, any>} frame
      * @param {Connection} connection
+     * @param {BatchVerdicts | null} [batch] The verdicts of the frame it came in.
      */
-    constructor(frame: Record<string, any>, connection: Connection);
+    constructor(frame: Record<string, any>, connection: Connection, batch?: BatchVerdicts | null);
     /** Stable across redeliveries: `<stream>-<seq>`. */
     id: string;
     stream: string;
@@ -110,6 +116,8 @@ export class Message {
     dataBase64: string | undefined;
     /** @private */
     private connection;
+    /** @private */
+    private batch;
     /** Done: the key's next message may come. */
     ack(): void;
     /**
@@ -347,6 +355,17 @@ export type JoinOptions = {
      */
     maxInFlight?: number | undefined;
     /**
+     * Messages per frame (1–1000): keygate sends them
+     * together, and the verdicts of a frame's messages go back in one frame
+     * once each has one. Iterating is unchanged.
+     */
+    batch?: number | undefined;
+    /**
+     * With `batch`: how long a frame that is
+     * not full waits for more messages (0–10000, default 0).
+     */
+    batchWaitMs?: number | undefined;
+    /**
      * Deliveries before a message is dead-lettered.
      */
     maxAttempts?: number | undefined;
@@ -408,6 +427,11 @@ export type SubscribeOptions = {
     minAckPending?: number | undefined;
 };
 export type ConnectionState = "connecting" | "open" | "reconnecting" | "closed";
+export type ItemVerdict = {
+    id: string;
+    status: "ack" | "retry" | "dead";
+    delay_ms?: number;
+};
 /**
  * One WebSocket of a membership. Verdicts for messages of an older
  * connection are refused: keygate redelivers those (with a higher
@@ -418,11 +442,33 @@ declare class Connection {
     constructor(socket: WebSocket);
     /** @type {WebSocket} */
     socket: WebSocket;
-    /** @param {{ type: string, id: string, delay_ms?: number }} frame */
+    /**
+     * @param {{ type: string, id?: string, delay_ms?: number, results?: ItemVerdict[] }} frame
+     * @param {string} [id] The message the frame answers, for `ConnectionLost`.
+     */
     send(frame: {
         type: string;
-        id: string;
+        id?: string;
         delay_ms?: number;
-    }): void;
+        results?: ItemVerdict[];
+    }, id?: string): void;
+}
+/** @typedef {{ id: string, status: "ack" | "retry" | "dead", delay_ms?: number }} ItemVerdict */
+/**
+ * The verdicts of one `batch` frame's messages, sent back in one
+ * `results` frame once every message has one (keygate settles the batch
+ * then anyway; a key's messages after a `retry` or `dead` one come again).
+ */
+declare class BatchVerdicts {
+    /**
+     * @param {Connection} connection
+     * @param {number} size
+     */
+    constructor(connection: Connection, size: number);
+    /** @private */ private connection;
+    /** @private */ private size;
+    /** @private @type {Map<string, ItemVerdict>} */ private results;
+    /** @param {ItemVerdict} result */
+    settle(result: ItemVerdict): void;
 }
 export {};

@@ -63,6 +63,11 @@
 /**
  * @typedef {object} JoinOptions
  * @property {number} [maxInFlight] Key ordering: messages out at once (1–1000).
+ * @property {number} [batch] Messages per frame (1–1000): keygate sends them
+ *   together, and the verdicts of a frame's messages go back in one frame
+ *   once each has one. Iterating is unchanged.
+ * @property {number} [batchWaitMs] With `batch`: how long a frame that is
+ *   not full waits for more messages (0–10000, default 0).
  * @property {number} [maxAttempts] Deliveries before a message is dead-lettered.
  * @property {(pin: PinInfo) => void} [onPinned] This connection holds the member's pin.
  * @property {(pin: PinInfo) => void} [onStandby] Another instance holds it; this one waits.
@@ -110,8 +115,9 @@ export class Message {
   /**
    * @param {Record<string, any>} frame
    * @param {Connection} connection
+   * @param {BatchVerdicts | null} [batch] The verdicts of the frame it came in.
    */
-  constructor(frame, connection) {
+  constructor(frame, connection, batch = null) {
     /** Stable across redeliveries: `<stream>-<seq>`. */
     this.id = /** @type {string} */ (frame.id);
     this.stream = /** @type {string} */ (frame.stream);
@@ -131,11 +137,14 @@ export class Message {
     this.dataBase64 = /** @type {string | undefined} */ (frame.data_base64);
     /** @private */
     this.connection = connection;
+    /** @private */
+    this.batch = batch;
   }
 
   /** Done: the key's next message may come. */
   ack() {
-    this.connection.send({ type: "ack", id: this.id });
+    if (this.batch) this.batch.settle({ id: this.id, status: "ack" });
+    else this.connection.send({ type: "ack", id: this.id });
   }
 
   /**
@@ -144,12 +153,14 @@ export class Message {
    */
   nak(delayMs) {
     const delay = delayMs === undefined ? {} : { delay_ms: delayMs };
-    this.connection.send({ type: "nak", id: this.id, ...delay });
+    if (this.batch) this.batch.settle({ id: this.id, status: "retry", ...delay });
+    else this.connection.send({ type: "nak", id: this.id, ...delay });
   }
 
   /** Never: dead-letter it; the key proceeds. */
   term() {
-    this.connection.send({ type: "term", id: this.id });
+    if (this.batch) this.batch.settle({ id: this.id, status: "dead" });
+    else this.connection.send({ type: "term", id: this.id });
   }
 
   /** Still working on it: keep it from being redelivered. */
@@ -185,10 +196,40 @@ class Connection {
     this.socket = socket;
   }
 
-  /** @param {{ type: string, id: string, delay_ms?: number }} frame */
-  send(frame) {
-    if (this.socket.readyState !== 1) throw new ConnectionLost(frame.id);
+  /**
+   * @param {{ type: string, id?: string, delay_ms?: number, results?: ItemVerdict[] }} frame
+   * @param {string} [id] The message the frame answers, for `ConnectionLost`.
+   */
+  send(frame, id = frame.id) {
+    if (this.socket.readyState !== 1) throw new ConnectionLost(id ?? "");
     this.socket.send(JSON.stringify(frame));
+  }
+}
+
+/** @typedef {{ id: string, status: "ack" | "retry" | "dead", delay_ms?: number }} ItemVerdict */
+
+/**
+ * The verdicts of one `batch` frame's messages, sent back in one
+ * `results` frame once every message has one (keygate settles the batch
+ * then anyway; a key's messages after a `retry` or `dead` one come again).
+ */
+class BatchVerdicts {
+  /**
+   * @param {Connection} connection
+   * @param {number} size
+   */
+  constructor(connection, size) {
+    /** @private */ this.connection = connection;
+    /** @private */ this.size = size;
+    /** @private @type {Map<string, ItemVerdict>} */ this.results = new Map();
+  }
+
+  /** @param {ItemVerdict} result */
+  settle(result) {
+    this.results.set(result.id, result);
+    if (this.results.size === this.size) {
+      this.connection.send({ type: "results", results: [...this.results.values()] }, result.id);
+    }
   }
 }
 
@@ -287,6 +328,11 @@ export class Membership {
       case "message":
         this.push(new Message(frame, connection));
         break;
+      case "batch": {
+        const verdicts = new BatchVerdicts(connection, frame.messages.length);
+        for (const message of frame.messages) this.push(new Message(message, connection, verdicts));
+        break;
+      }
       case "pinned":
         o.onPinned?.({ partitions: frame.partitions, fencingToken: frame.fencing_token, instance: frame.instance });
         break;
@@ -433,7 +479,12 @@ export class KeygateClient {
    * @returns {Membership}
    */
   join(stream, group, member, options = {}) {
-    const query = { max_in_flight: options.maxInFlight, max_attempts: options.maxAttempts };
+    const query = {
+      max_in_flight: options.maxInFlight,
+      max_attempts: options.maxAttempts,
+      batch: options.batch,
+      batch_wait_ms: options.batchWaitMs,
+    };
     return this.socket([stream, "groups", group, "members", member], query, options);
   }
 
@@ -455,6 +506,8 @@ export class KeygateClient {
       min_pending: options.minPending,
       min_ack_pending: options.minAckPending,
       max_attempts: options.maxAttempts,
+      batch: options.batch,
+      batch_wait_ms: options.batchWaitMs,
     };
     return this.socket([stream, "consumers", consumer, "subscribers", subscriber], query, options);
   }

@@ -39,18 +39,20 @@ struct BatchAnswer {
     results: Vec<ItemResult>,
 }
 
-#[derive(Deserialize)]
+/// One message's result in a batch answer (a webhook's body, or a
+/// WebSocket client's `results` frame).
+#[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct ItemResult {
-    id: String,
-    status: ItemStatus,
+pub(crate) struct ItemResult {
+    pub id: String,
+    pub status: ItemStatus,
     #[serde(default)]
-    delay_ms: Option<u64>,
+    pub delay_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]
 #[serde(rename_all = "lowercase")]
-enum ItemStatus {
+pub(crate) enum ItemStatus {
     Ack,
     Retry,
     Dead,

@@ -8,6 +8,7 @@ use base64::Engine as _;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
+use super::batch_verdict::{ItemResult, ItemStatus};
 use super::message::{forwardable, Delivered};
 use crate::events::Event;
 use crate::names::MemberRef;
@@ -17,6 +18,11 @@ use crate::names::MemberRef;
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ServerFrame {
     Message(Box<MessageFrame>),
+    /// Several messages at once, for a connection that joined with `batch`
+    /// (docs/batched-deliveries.md): each lane's messages in order.
+    Batch {
+        messages: Vec<MessageFrame>,
+    },
     /// This connection holds the member's pin: messages of these partitions come here.
     Pinned {
         partitions: Vec<u32>,
@@ -93,6 +99,42 @@ impl ClientFrame {
     }
 }
 
+impl From<ItemResult> for ClientFrame {
+    fn from(result: ItemResult) -> Self {
+        let id = result.id;
+        match result.status {
+            ItemStatus::Ack => Self::Ack { id },
+            ItemStatus::Retry => Self::Nak { id, delay_ms: result.delay_ms },
+            ItemStatus::Dead => Self::Term { id },
+        }
+    }
+}
+
+/// Verdicts for several messages in one WebSocket frame, in the shape a
+/// batched webhook answers: `{"type":"results","results":[{"id","status":
+/// "ack"|"retry"|"dead","delay_ms"}]}`.
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+enum ResultsFrame {
+    Results { results: Vec<ItemResult> },
+}
+
+/// The verdicts a WebSocket client's text frame carries: one (`ack`,
+/// `nak`, `term`, `progress`), or several (`results`).
+pub fn client_frames(text: &str) -> Result<Vec<ClientFrame>, serde_json::Error> {
+    let one = match serde_json::from_str::<ClientFrame>(text) {
+        Ok(frame) => return Ok(vec![frame]),
+        Err(e) => e,
+    };
+    match serde_json::from_str::<ResultsFrame>(text) {
+        Ok(ResultsFrame::Results { results }) => Ok(results.into_iter().map(ClientFrame::from).collect()),
+        // Not a results frame either: the single verdict's complaint is the
+        // one that helps.
+        Err(_) if !text.contains("\"results\"") => Err(one),
+        Err(e) => Err(e),
+    }
+}
+
 /// The message frame of a delivery.
 pub fn message_frame(who: &MemberRef, held: &Delivered, fencing_token: u64) -> MessageFrame {
     let mut headers: BTreeMap<String, String> = BTreeMap::new();
@@ -160,6 +202,28 @@ mod tests {
         assert!(parse(r#"{"type":"ack"}"#).is_err());
         assert!(parse(r#"{"type":"nack","id":"S-1"}"#).is_err());
         assert!(parse(r#"{"type":"ack","id":"S-1","extra":1}"#).is_err());
+    }
+
+    #[test]
+    fn a_results_frame_carries_a_verdict_per_message() {
+        let frames = client_frames(
+            r#"{"type":"results","results":[{"id":"S-1","status":"ack"},
+                {"id":"S-2","status":"retry","delay_ms":500},{"id":"S-3","status":"dead"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            frames,
+            vec![
+                ClientFrame::Ack { id: "S-1".into() },
+                ClientFrame::Nak { id: "S-2".into(), delay_ms: Some(500) },
+                ClientFrame::Term { id: "S-3".into() },
+            ]
+        );
+        assert_eq!(client_frames(r#"{"type":"ack","id":"S-1"}"#).unwrap(), vec![ClientFrame::Ack { id: "S-1".into() }]);
+        let complaint = |s: &str| client_frames(s).unwrap_err().to_string();
+        assert!(complaint(r#"{"type":"results","results":[{"id":"S-1","status":"maybe"}]}"#).contains("maybe"));
+        assert!(complaint(r#"{"type":"results","results":[],"extra":1}"#).contains("extra"));
+        assert!(complaint(r#"{"type":"ack"}"#).contains("id"), "a single verdict's own complaint");
     }
 
     #[test]

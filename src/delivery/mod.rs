@@ -11,6 +11,18 @@ pub mod pull;
 pub mod verdict;
 pub mod websocket;
 
+/// How an endpoint that asked for batches takes them (a webhook's `batch`,
+/// a WebSocket join's `batch`), in the units the batch workers count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchLimits {
+    /// Most messages in one batch.
+    pub max_messages: usize,
+    /// Most payload bytes in one batch (a single larger message goes alone).
+    pub max_bytes: usize,
+    /// How long a batch that is not full waits for more.
+    pub max_wait: std::time::Duration,
+}
+
 /// A client's verdict that names no delivery waiting for one.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SettleError {

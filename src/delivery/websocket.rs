@@ -14,6 +14,7 @@ use super::frames::{message_frame, ClientFrame, ServerFrame};
 use super::message::Held;
 use super::verdict::Backoff;
 use super::verdict::{Judgement, Verdict};
+use super::BatchLimits;
 use crate::names::MemberRef;
 
 /// Why a delivery without a client verdict goes to the next holder.
@@ -40,6 +41,8 @@ pub struct SocketEndpoint {
     pub backoff: Backoff,
     /// Most messages in flight to the connection at once, when the client set it.
     pub max_in_flight: Option<usize>,
+    /// Messages go in `batch` frames, when the client joined with `batch`.
+    pub batch: Option<BatchLimits>,
 }
 
 impl SocketEndpoint {
@@ -50,7 +53,16 @@ impl SocketEndpoint {
         max_attempts: u64,
         backoff: Backoff,
     ) -> Self {
-        Self { messages, status, awaiting: Mutex::default(), closed, max_attempts, backoff, max_in_flight: None }
+        Self {
+            messages,
+            status,
+            awaiting: Mutex::default(),
+            closed,
+            max_attempts,
+            backoff,
+            max_in_flight: None,
+            batch: None,
+        }
     }
 
     fn awaiting(&self) -> std::sync::MutexGuard<'_, HashMap<String, Awaiting>> {
@@ -80,6 +92,43 @@ impl SocketEndpoint {
         };
         self.awaiting().remove(&id);
         client_judgement(answer, CLOSED)
+    }
+
+    /// Sends the messages in one `batch` frame and waits for the client's
+    /// verdict on each (by id, in one `results` frame or one frame each).
+    /// Judgements come in the batch's order; a closed connection is a NAK
+    /// without delay for every message still waiting.
+    pub async fn call_batch(&self, who: &MemberRef, batch: &[&Held], fencing_token: u64) -> Vec<Judgement> {
+        let mut frames = Vec::with_capacity(batch.len());
+        let mut answers = Vec::with_capacity(batch.len());
+        {
+            let mut awaiting = self.awaiting();
+            for held in batch {
+                let frame = message_frame(who, held, fencing_token);
+                let (tx, rx) = oneshot::channel();
+                awaiting.insert(frame.id.clone(), Awaiting { verdict: tx, message: (*held).clone() });
+                answers.push((frame.id.clone(), rx));
+                frames.push(frame);
+            }
+        }
+        let sent = tokio::select! {
+            sent = self.messages.send(Box::new(ServerFrame::Batch { messages: frames })) => sent.is_ok(),
+            () = self.closed.cancelled() => false,
+        };
+        let mut judgements = Vec::with_capacity(batch.len());
+        for (id, answer) in answers {
+            let answer = if sent {
+                tokio::select! {
+                    answer = answer => answer.ok(),
+                    () = self.closed.cancelled() => None,
+                }
+            } else {
+                None
+            };
+            self.awaiting().remove(&id);
+            judgements.push(client_judgement(answer, CLOSED));
+        }
+        judgements
     }
 
     /// Applies a client frame to the delivery it names.

@@ -17,14 +17,15 @@ use utoipa::IntoParams;
 
 use super::extract::{Path, Query};
 use crate::app::AppState;
-use crate::delivery::frames::{ClientFrame, ServerFrame};
+use crate::delivery::frames::{client_frames, ClientFrame, ServerFrame};
 use crate::delivery::websocket::SocketEndpoint;
+use crate::delivery::BatchLimits;
 use crate::http::problem::{ApiError, Problem};
 use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
 use crate::runtime::endpoint::Endpoint;
 use crate::runtime::instance::serve;
 use crate::runtime::target::Target;
-use crate::webhook::Backoff;
+use crate::webhook::{Backoff, BatchSpec};
 
 /// The subprotocol keygate speaks (offered by clients that also pass their
 /// token as a `bearer.<jwt>` subprotocol).
@@ -45,14 +46,25 @@ pub struct JoinOptions {
     /// partition ordering, 256 under key ordering).
     #[param(minimum = 1, maximum = 1000)]
     pub max_in_flight: Option<usize>,
+    /// Messages per `batch` frame (1–1000): the connection then receives
+    /// `{"type":"batch","messages":[…]}` and may answer all of them in one
+    /// `results` frame (docs/batched-deliveries.md). Unset: one `message`
+    /// frame each.
+    #[param(minimum = 1, maximum = 1000)]
+    pub batch: Option<u32>,
+    /// With `batch`: how long a batch that is not full waits for more
+    /// messages (0–10000 ms, default 0: send what is ready).
+    #[param(minimum = 0, maximum = 10000)]
+    pub batch_wait_ms: Option<u64>,
     /// The bearer token, for browsers (which cannot set headers on a WebSocket).
     pub access_token: Option<String>,
 }
 
 /// Joins a group as an instance of `member` over a WebSocket. Server
 /// frames: `message`, `pinned`, `standby`, `assigned`, `revoked`, `event`,
-/// `error`; client frames: `ack`, `nak` (with `delay_ms`), `term`,
-/// `progress`, each naming a message `id`. Each partition has one message
+/// `error` (and `batch` with `batch`); client frames: `ack`, `nak` (with
+/// `delay_ms`), `term`, `progress`, each naming a message `id`, or
+/// `results` with several. Each partition has one message
 /// in flight; a NAK'd message is never overtaken; un-acked messages come
 /// again, in order, to whichever connection holds the pin next.
 #[utoipa::path(
@@ -75,7 +87,8 @@ pub async fn join_member(
     headers: HeaderMap,
     upgrade: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> Result<Response, ApiError> {
-    let (upgrade, mut limits) = accept(upgrade, &headers, &state, options.max_attempts)?;
+    let batch = batch_of(options.batch, options.batch_wait_ms)?;
+    let (upgrade, mut limits) = accept(upgrade, &headers, &state, options.max_attempts, batch)?;
     crate::webhook::check_max_in_flight(options.max_in_flight)?;
     limits.max_in_flight = options.max_in_flight;
     let who = super::target::group_member(&state, stream, group, member).await?;
@@ -150,6 +163,16 @@ pub struct SubscribeOptions {
     pub concurrency: Option<usize>,
     /// Deliveries of one message before it is dead-lettered (1–1000, default 10).
     pub max_attempts: Option<u64>,
+    /// Messages per `batch` frame (1–1000): the connection then receives
+    /// `{"type":"batch","messages":[…]}` and may answer all of them in one
+    /// `results` frame (docs/batched-deliveries.md). Unset: one `message`
+    /// frame each.
+    #[param(minimum = 1, maximum = 1000)]
+    pub batch: Option<u32>,
+    /// With `batch`: how long a batch that is not full waits for more
+    /// messages (0–10000 ms, default 0: send what is ready).
+    #[param(minimum = 0, maximum = 10000)]
+    pub batch_wait_ms: Option<u64>,
     /// The bearer token, for browsers.
     pub access_token: Option<String>,
 }
@@ -179,7 +202,8 @@ pub async fn join_consumer(
     headers: HeaderMap,
     upgrade: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> Result<Response, ApiError> {
-    let (upgrade, limits) = accept(upgrade, &headers, &state, options.max_attempts)?;
+    let batch = batch_of(options.batch, options.batch_wait_ms)?;
+    let (upgrade, limits) = accept(upgrade, &headers, &state, options.max_attempts, batch)?;
     let (who, current) = super::target::consumer_subscriber(&state, stream, consumer, subscriber).await?;
     let pull = super::consumers::pull_options(
         current.policy,
@@ -203,15 +227,17 @@ pub async fn join_consumer(
 }
 
 /// Client frames are small verdicts: small buffers keep idle connections
-/// cheap, and a size cap keeps a misbehaving client from growing them.
-fn small_frames(upgrade: WebSocketUpgrade) -> WebSocketUpgrade {
+/// cheap, and a size cap keeps a misbehaving client from growing them. A
+/// batched connection's `results` frame names up to 1,000 messages.
+fn small_frames(upgrade: WebSocketUpgrade, batched: bool) -> WebSocketUpgrade {
+    let most = if batched { 256 * 1024 } else { 64 * 1024 };
     upgrade
         .protocols([SUBPROTOCOL])
         .read_buffer_size(1024)
         .write_buffer_size(0)
         .max_write_buffer_size(4 * 1024 * 1024)
-        .max_message_size(64 * 1024)
-        .max_frame_size(64 * 1024)
+        .max_message_size(most)
+        .max_frame_size(most)
 }
 
 /// How a connection's deliveries are bounded.
@@ -219,6 +245,20 @@ fn small_frames(upgrade: WebSocketUpgrade) -> WebSocketUpgrade {
 struct SocketLimits {
     max_attempts: u64,
     max_in_flight: Option<usize>,
+    batch: Option<BatchLimits>,
+}
+
+/// A join's `batch` and `batch_wait_ms`, checked as a webhook's `batch` is.
+fn batch_of(batch: Option<u32>, batch_wait_ms: Option<u64>) -> Result<Option<BatchLimits>, ApiError> {
+    let Some(max_messages) = batch else {
+        if batch_wait_ms.is_some() {
+            return Err(ApiError::BadRequest("batch_wait_ms needs batch".into()));
+        }
+        return Ok(None);
+    };
+    let spec = BatchSpec { max_messages, max_bytes: None, max_wait_ms: batch_wait_ms };
+    spec.check().map_err(|e| ApiError::BadRequest(e.to_string().replace("batch.max_messages", "batch")))?;
+    Ok(Some(spec.limits()))
 }
 
 /// What both joins check before upgrading: a real upgrade, an allowed
@@ -228,12 +268,13 @@ fn accept(
     headers: &HeaderMap,
     state: &AppState,
     max_attempts: Option<u64>,
+    batch: Option<BatchLimits>,
 ) -> Result<(WebSocketUpgrade, SocketLimits), ApiError> {
     let upgrade =
         upgrade.map_err(|e| ApiError::BadRequest(format!("this route opens a WebSocket: {}", e.body_text())))?;
     check_origin(headers, &state.settings.ws_allowed_origins)?;
     let max_attempts = max_attempts_of(max_attempts)?;
-    Ok((small_frames(upgrade), SocketLimits { max_attempts, max_in_flight: None }))
+    Ok((small_frames(upgrade, batch.is_some()), SocketLimits { max_attempts, max_in_flight: None, batch }))
 }
 
 /// A client-served member's or subscriber's `max_attempts` (WebSocket or
@@ -279,6 +320,7 @@ async fn serve_connection(
     let mut endpoint =
         SocketEndpoint::new(messages_tx, status_tx, closed.clone(), limits.max_attempts, Backoff::default());
     endpoint.max_in_flight = limits.max_in_flight;
+    endpoint.batch = limits.batch;
     let endpoint = Arc::new(endpoint);
     let session_cancel = CancellationToken::new();
     let mut session = tokio::spawn(run(Arc::new(Endpoint::Socket(endpoint.clone())), session_cancel.clone()));
@@ -312,13 +354,16 @@ async fn serve_connection(
                 last_heard = Instant::now();
                 match received {
                     Some(Ok(Message::Text(text))) => {
-                        let answer = match serde_json::from_str::<ClientFrame>(text.as_str()) {
-                            Ok(frame) => Box::pin(endpoint.settle(frame)).await.err().map(|e| (e.to_string(), None)),
-                            Err(e) => Some((format!("unreadable frame: {e}"), None)),
+                        let errors = match client_frames(text.as_str()) {
+                            Ok(frames) => settle_all(&endpoint, frames).await,
+                            Err(e) => vec![format!("unreadable frame: {e}")],
                         };
-                        if let Some((error, id)) = answer {
-                            if send(&mut sink, &ServerFrame::Error { error, id }).await.is_err() { break (1011, "") }
+                        let mut failed = false;
+                        for error in errors {
+                            failed = send(&mut sink, &ServerFrame::Error { error, id: None }).await.is_err();
+                            if failed { break }
                         }
+                        if failed { break (1011, "") }
                     }
                     Some(Ok(Message::Binary(_))) => {
                         let error = ServerFrame::Error { error: "frames are JSON text".into(), id: None };
@@ -355,6 +400,17 @@ async fn serve_connection(
     }
     let _ = tokio::time::timeout(Duration::from_secs(1), sink.close()).await;
     gauge.decrement(1.0);
+}
+
+/// Applies a frame's verdicts; what could not be applied, in words.
+async fn settle_all(endpoint: &SocketEndpoint, frames: Vec<ClientFrame>) -> Vec<String> {
+    let mut errors = Vec::new();
+    for frame in frames {
+        if let Err(e) = Box::pin(endpoint.settle(frame)).await {
+            errors.push(e.to_string());
+        }
+    }
+    errors
 }
 
 async fn send(

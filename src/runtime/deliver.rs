@@ -225,10 +225,10 @@ pub struct BatchOutcome {
     pub gone: bool,
 }
 
-/// One batched call to a webhook (docs/batched-deliveries.md):
-/// one request for the whole batch (one turn of the rate limit, one count
-/// of the breaker), then each message's verdict applied in the batch's
-/// order. `batch` holds each lane's messages in order; once one of a lane
+/// One batched call to a webhook or a WebSocket client
+/// (docs/batched-deliveries.md): one request or frame for the whole batch
+/// (for a webhook one turn of the rate limit, one count of the breaker),
+/// then each message's verdict applied in the batch's order. `batch` holds each lane's messages in order; once one of a lane
 /// is not acked, that lane's later ones are [`Settled::Returned`] (neither
 /// acked nor NAK'd), so they follow it.
 pub async fn deliver_batch(
@@ -242,31 +242,17 @@ pub async fn deliver_batch(
     let span = tracing::info_span!("deliver_batch", "otel.kind" = "client", stream = %who.stream, group = %who.group,
         member = %who.member, messages = batch.len(), endpoint_ms = tracing::field::Empty);
     let mut events = Vec::new();
-    let Endpoint::Webhook(webhook) = &*endpoint else {
-        unreachable!("only webhooks take batches (runtime/driver/mod.rs)");
-    };
-    let WebhookEndpoint { registration, url, signer, protection, credentials } = &**webhook;
-    let ids: Vec<String> = batch.iter().map(|(_, held)| crate::webhook::request::delivery_id(held)).collect();
-    let judged = if protection.open() {
-        let reason = "not sent: the circuit breaker is open and the member is pausing".to_owned();
-        let not_sent = Judgement { verdict: Verdict::Nak { delay: None }, gone: false, failed: false, reason };
-        BatchJudgement { items: vec![not_sent; batch.len()], failed: false, gone: false }
-    } else {
-        protection.wait_turn().await;
-        let trace = TraceContext::of_span(&span);
-        let messages: Vec<&Delivered> = batch.iter().map(|(_, held)| &**held).collect();
-        let request = crate::webhook::request::batch_outbound(registration, &who, &messages, fencing, trace.as_ref());
-        let sent = std::time::Instant::now();
-        let id_refs: Vec<&str> = ids.iter().map(String::as_str).collect();
-        let judged = ctx.webhook_client.call_batch(registration, url, signer, credentials, &request, &id_refs).await;
-        span.record("endpoint_ms", sent.elapsed().as_secs_f64() * 1000.0);
-        metrics.endpoint_seconds.record(sent.elapsed().as_secs_f64());
-        let step = protection.record(judged.failed);
-        if let Some(first) = judged.items.first() {
-            Box::pin(breaker_step(&ctx, &who, protection, step, first, &mut events)).await;
+    let called = std::time::Instant::now();
+    let judged = match &*endpoint {
+        Endpoint::Webhook(webhook) => call_webhook(&ctx, &who, webhook, batch, fencing, &span, &mut events).await,
+        Endpoint::Socket(socket) => {
+            let messages: Vec<&Held> = batch.iter().map(|(_, held)| held).collect();
+            BatchJudgement { items: socket.call_batch(&who, &messages, fencing).await, failed: false, gone: false }
         }
-        judged
+        Endpoint::Pull(_) => unreachable!("pull clients fetch their own batches (runtime/endpoint.rs)"),
     };
+    span.record("endpoint_ms", called.elapsed().as_secs_f64() * 1000.0);
+    metrics.endpoint_seconds.record(called.elapsed().as_secs_f64());
     let mut stopped: HashSet<&LaneId> = HashSet::new();
     let mut settled = Vec::with_capacity(batch.len());
     for ((lane, held), judgement) in batch.iter().zip(&judged.items) {
@@ -281,6 +267,37 @@ pub async fn deliver_batch(
         settled.push(outcome);
     }
     BatchOutcome { settled, events, gone: judged.gone }
+}
+
+/// A batch's one request to a webhook: one turn of the rate limit, one
+/// count of the breaker; not sent while the breaker is open.
+async fn call_webhook(
+    ctx: &Runtime,
+    who: &MemberRef,
+    webhook: &WebhookEndpoint,
+    batch: &[(LaneId, Held)],
+    fencing: u64,
+    span: &tracing::Span,
+    events: &mut Vec<Event>,
+) -> BatchJudgement {
+    let WebhookEndpoint { registration, url, signer, protection, credentials } = webhook;
+    if protection.open() {
+        let reason = "not sent: the circuit breaker is open and the member is pausing".to_owned();
+        let not_sent = Judgement { verdict: Verdict::Nak { delay: None }, gone: false, failed: false, reason };
+        return BatchJudgement { items: vec![not_sent; batch.len()], failed: false, gone: false };
+    }
+    protection.wait_turn().await;
+    let ids: Vec<String> = batch.iter().map(|(_, held)| crate::webhook::request::delivery_id(held)).collect();
+    let trace = TraceContext::of_span(span);
+    let messages: Vec<&Delivered> = batch.iter().map(|(_, held)| &**held).collect();
+    let request = crate::webhook::request::batch_outbound(registration, who, &messages, fencing, trace.as_ref());
+    let id_refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    let judged = ctx.webhook_client.call_batch(registration, url, signer, credentials, &request, &id_refs).await;
+    let step = protection.record(judged.failed);
+    if let Some(first) = judged.items.first() {
+        Box::pin(breaker_step(ctx, who, protection, step, first, events)).await;
+    }
+    judged
 }
 
 /// Dead-letters then terminates; if the copy cannot be stored, the message

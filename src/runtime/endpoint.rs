@@ -7,6 +7,7 @@ use std::sync::Arc;
 use crate::delivery::frames::ServerFrame;
 use crate::delivery::pull::PullEndpoint;
 use crate::delivery::websocket::SocketEndpoint;
+use crate::delivery::BatchLimits;
 use crate::webhook::credentials::Credentials;
 use crate::webhook::protection::Protection;
 use crate::webhook::signing::{SecretError, Signer};
@@ -78,6 +79,16 @@ impl Endpoint {
             Self::Webhook(webhook) => webhook.registration.max_in_flight,
             Self::Socket(socket) => socket.max_in_flight,
             Self::Pull(pull) => pull.max_in_flight,
+        }
+    }
+
+    /// How the endpoint takes batches, if it asked for them (a webhook's
+    /// registration, a WebSocket's join); pull clients fetch their own.
+    pub fn batch(&self) -> Option<BatchLimits> {
+        match self {
+            Self::Webhook(webhook) => webhook.registration.batch.map(|spec| spec.limits()),
+            Self::Socket(socket) => socket.batch,
+            Self::Pull(_) => None,
         }
     }
 

@@ -97,6 +97,12 @@ pub fn pinned_to_someone(info: &consumer::Info) -> bool {
     info.priority_groups.iter().any(|g| g.pinned_client_id.as_deref().is_some_and(|id| !id.is_empty()))
 }
 
+/// Whether the consumer's priority group pins `pin` (a server that reports
+/// no priority groups is taken at its pulls' word).
+pub fn pinned_here(info: &consumer::Info, pin: Option<&str>) -> bool {
+    info.priority_groups.is_empty() || info.priority_groups.iter().any(|g| g.pinned_client_id.as_deref() == pin)
+}
+
 /// Tells events and a WebSocket client that `who` is pinned here (`reason`:
 /// why the pin moved, when it is known, as for a rebalance).
 pub fn announce_pinned(

@@ -12,6 +12,7 @@ use super::credentials::OutboundAuth;
 use super::signing::{SecretError, Signer};
 use super::{WebhookError as Error, WebhookErrorKind as Kind};
 use crate::delivery::verdict::Backoff;
+use crate::delivery::BatchLimits;
 
 /// KV bucket of webhook registrations, key `<stream>.<group>.<member>`.
 pub const WEBHOOKS_BUCKET: &str = "keygate-webhooks";
@@ -80,6 +81,11 @@ impl BatchSpec {
     /// How long a request that is not full waits for more.
     pub fn max_wait(&self) -> Duration {
         Duration::from_millis(self.max_wait_ms.unwrap_or(0))
+    }
+
+    /// The limits the batch workers apply.
+    pub fn limits(&self) -> BatchLimits {
+        BatchLimits { max_messages: self.max_messages as usize, max_bytes: self.max_bytes(), max_wait: self.max_wait() }
     }
 }
 

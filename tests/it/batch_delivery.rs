@@ -8,6 +8,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::support::receiver::{Answer, Receiver, Recorded};
+use crate::support::ws::{member_url, WsClient};
 use crate::support::{eventually, http_client, KeygateProcess, NatsServer, TestApp};
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -57,10 +58,19 @@ fn results(request: &Recorded, status_of: impl Fn(&Value) -> &'static str) -> An
 /// same request were all answered `ack` too (after a `retry` or `dead`,
 /// the key's later messages of that request come again).
 fn effective_acks(requests: &[Recorded], status_of: impl Fn(&Value) -> &'static str) -> HashMap<String, Vec<u64>> {
+    effective_acks_of(requests.iter().filter(|r| r.ok()).map(items), status_of)
+}
+
+/// The same over batches as received (a webhook's bodies, a WebSocket's
+/// `batch` frames).
+fn effective_acks_of(
+    batches: impl Iterator<Item = Vec<Value>>,
+    status_of: impl Fn(&Value) -> &'static str,
+) -> HashMap<String, Vec<u64>> {
     let mut done: HashMap<String, Vec<u64>> = HashMap::new();
-    for request in requests.iter().filter(|r| r.ok()) {
+    for batch in batches {
         let mut stopped: Vec<String> = Vec::new();
-        for item in items(request) {
+        for item in batch {
             let key = item["key"].as_str().unwrap().to_owned();
             if stopped.contains(&key) {
                 continue;
@@ -380,4 +390,65 @@ async fn a_batch_cut_by_a_keygate_sigkill_is_redelivered_without_loss() {
     let fencings: std::collections::BTreeSet<u64> = requests.iter().map(Recorded::fencing).collect();
     assert!(fencings.len() >= 2, "the standby delivered after the kill: {fencings:?}");
     assert_eq!(admin.metric("keygate_acks_without_verdict_total").await, 0.0);
+}
+
+/// A WebSocket member that joins with `batch` gets `batch` frames and
+/// answers each in one `results` frame: mixed verdicts keep each key's
+/// order and dead-letter exactly the dead ones, as for a webhook. Bad join
+/// options are refused; a result for a message not waiting is an error.
+#[tokio::test]
+async fn a_websocket_member_with_batch_gets_batch_frames_and_answers_each_in_one_results_frame() {
+    let app = TestApp::start().await;
+    one_partition(&app).await;
+    for bad in ["batch=0", "batch=1001", "batch_wait_ms=10", "batch=5&batch_wait_ms=10001"] {
+        let url = member_url(&app.base, "K", "g", "m1", bad);
+        assert_eq!(WsClient::connect_with(&url, &[]).await.err(), Some(400), "{bad}");
+    }
+    let published = publish(&app, &["poison", "flaky", "a", "b", "c"], 10).await;
+    let expected: HashMap<String, Vec<u64>> =
+        published.iter().filter(|(k, _)| *k != "poison").map(|(k, v)| (k.clone(), v.clone())).collect();
+    let mut client = WsClient::connect(&member_url(&app.base, "K", "g", "m1", "batch=20&max_in_flight=50")).await;
+    let mut batches: Vec<Vec<Value>> = Vec::new();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let done = effective_acks_of(batches.iter().cloned(), status_by_key_and_attempt);
+        if expected.iter().all(|(k, seqs)| done.get(k).is_some_and(|d| d.len() >= seqs.len())) {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "not all done within {WAIT:?}: {done:?}");
+        let frame = client.next_of("batch", WAIT).await;
+        let messages = frame["messages"].as_array().unwrap().clone();
+        assert!((1..=20).contains(&messages.len()), "batch=20: {}", messages.len());
+        let results: Vec<Value> = messages
+            .iter()
+            .map(|m| json!({"id": m["id"], "status": status_by_key_and_attempt(m), "delay_ms": 300}))
+            .collect();
+        client.send(json!({"type": "results", "results": results})).await;
+        batches.push(messages);
+    }
+    assert!(batches.len() < 50, "{} batch frames for 50 messages", batches.len());
+    for batch in &batches {
+        let mut last: HashMap<&str, u64> = HashMap::new();
+        for item in batch {
+            let (key, seq) = (item["key"].as_str().unwrap(), item["stream_seq"].as_u64().unwrap());
+            assert!(last.insert(key, seq).is_none_or(|before| before < seq), "key {key}: out of order in a batch");
+            assert_eq!(item["id"], format!("K-{seq}"));
+        }
+    }
+    let done = effective_acks_of(batches.iter().cloned(), status_by_key_and_attempt);
+    for (key, seqs) in &expected {
+        assert_eq!(&done[key], seqs, "key {key}: each message done once, in order");
+    }
+    client.send(json!({"type": "results", "results": [{"id": "K-999999", "status": "ack"}]})).await;
+    let error = client.next_of("error", WAIT).await;
+    assert!(error["error"].as_str().unwrap().contains("K-999999"), "{error}");
+    let poison = &published["poison"];
+    let dead = eventually(WAIT, || async {
+        app.js.get_stream("KEYGATE_DEAD_LETTERS").await.ok()?;
+        let letters = app.stream_messages("KEYGATE_DEAD_LETTERS").await;
+        (letters.len() >= poison.len()).then_some(letters)
+    })
+    .await;
+    assert_eq!(dead.len(), poison.len(), "exactly the dead ones");
+    app.assert_no_acks_without_verdict().await;
 }

@@ -154,3 +154,68 @@ async fn the_js_client_subscribes_to_a_plain_consumer_with_its_concurrency() {
     let most = browser.eval("kg.most").await.as_u64().unwrap();
     assert!((2..=4).contains(&most), "{most} messages held at once with concurrency 4");
 }
+
+/// `join(…, { batch })`: keygate sends `batch` frames and the client
+/// answers each with one `results` frame once every message of it has a
+/// verdict, while the iterator still yields one message at a time. A NAK'd
+/// message comes back before the rest of its key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_js_client_joins_with_batch_and_answers_each_batch_in_one_frame() {
+    let app = TestApp::start().await;
+    app.create_stream("JS", json!({"subjects":["js.*"],"partitions":2})).await;
+    let group = json!({"kind":"static","partitions":2,"members":["web"],"ack_wait_ms":2000});
+    assert_eq!(app.put("/v1/streams/JS/groups/g", group).await.0, 201);
+    // The backlog first, then the member.
+    let keys = ["a", "b", "c", "d"];
+    let messages: Vec<Value> = (0..40).map(|n| json!({"key": keys[n % 4], "data": {"n": n}})).collect();
+    assert_eq!(app.post("/v1/streams/JS/messages/batch", json!({"messages": messages})).await.0, 200);
+    let mut browser = Browser::launch().await;
+    browser.navigate(&app.url("/demo")).await;
+    let joined = browser
+        .eval(
+            r#"(async () => {
+              const { KeygateClient } = await import("/client/keygate.js");
+              const kg = window.kg = { received: [], sent: [], naked: false };
+              const send = WebSocket.prototype.send;
+              WebSocket.prototype.send = function (data) { kg.sent.push(JSON.parse(data).type); return send.call(this, data); };
+              kg.client = new KeygateClient();
+              const membership = kg.client.join("JS", "g", "web", { batch: 10, maxInFlight: 20 });
+              (async () => {
+                for await (const m of membership) {
+                  kg.received.push({ id: m.id, key: m.key, seq: m.streamSeq });
+                  if (m.key === "b" && !kg.naked) { kg.naked = true; m.nak(100); } else m.ack();
+                }
+              })();
+              return true;
+            })()"#,
+        )
+        .await;
+    assert_eq!(joined, true);
+    eventually(WAIT, || async {
+        let info = app.js.get_stream("JS").await.ok()?.consumer_info("g-web").await.ok()?;
+        (info.ack_floor.stream_sequence == 40 && info.num_ack_pending == 0).then_some(())
+    })
+    .await;
+    let seen = browser.eval("({ received: kg.received, sent: kg.sent })").await;
+    let sent: Vec<&str> = seen["sent"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
+    assert!(sent.iter().all(|t| *t == "results"), "verdicts go in results frames: {sent:?}");
+    assert!(sent.len() < 40, "{} results frames for 40 messages and a retry", sent.len());
+    // Each key's messages, by their last delivery (the one that counted),
+    // are in order: what followed the NAK'd one came again after it.
+    let received = seen["received"].as_array().unwrap();
+    let mut last_delivery: HashMap<String, (String, usize)> = HashMap::new();
+    for (at, m) in received.iter().enumerate() {
+        last_delivery.insert(m["id"].as_str().unwrap().to_owned(), (m["key"].as_str().unwrap().to_owned(), at));
+    }
+    let mut by_key: HashMap<String, Vec<(u64, usize)>> = HashMap::new();
+    for m in received {
+        let (key, at) = &last_delivery[m["id"].as_str().unwrap()];
+        by_key.entry(key.clone()).or_default().push((m["seq"].as_u64().unwrap(), *at));
+    }
+    for (key, mut deliveries) in by_key {
+        deliveries.sort_unstable();
+        deliveries.dedup();
+        assert!(deliveries.windows(2).all(|w| w[0].1 < w[1].1), "key {key}: {deliveries:?}");
+    }
+    assert_eq!(last_delivery.len(), 40, "every message arrived");
+}

@@ -36,6 +36,8 @@ export async function example(): Promise<void> {
     if (e instanceof KeygateError) console.log(e.status, e.problem?.title, e.retryAfter);
   }
   membership.close();
+  const batched = client.join("ORDERS", "fulfillment", "m2", { batch: 100, batchWaitMs: 5 });
+  for await (const message of batched) message.ack();
   const work = client.subscribe("JOBS", "workers", "w1", { concurrency: 8, onStandby: () => console.log("standby") });
   for await (const job of work) job.ack();
 }

@@ -218,12 +218,7 @@ impl Driver {
             Dispatch::Concurrent(_) | Dispatch::Lanes(_) => None,
         };
         let metrics = Arc::new(DeliveryMetrics::of(&who));
-        let batching = match &*endpoint {
-            Endpoint::Webhook(webhook) => {
-                webhook.registration.batch.map(|spec| Arc::new(Batching::new(spec, lanes.max_in_flight())))
-            }
-            Endpoint::Socket(_) | Endpoint::Pull(_) => None,
-        };
+        let batching = endpoint.batch().map(|spec| Arc::new(Batching::new(spec, lanes.max_in_flight())));
         let shared = LaneShared {
             ctx,
             who,
@@ -354,7 +349,10 @@ impl Driver {
                 () = &mut woken => woken.set(wake.notified()),
                 // The pulls may have been waiting at a server this keygate
                 // no longer reaches: ask again at once, not at their deadlines.
-                Ok(()) = connections.changed() => self.pulls.clear(),
+                Ok(()) = connections.changed() => {
+                    self.pulls.clear();
+                    self.on_reconnect();
+                }
                 () = room_made(&mut room), if held_back => {}
                 () = &mut timer => {
                     let now = Instant::now();
@@ -459,7 +457,7 @@ impl Driver {
     /// Whether this instance may deliver: it holds the pin, or the
     /// consumer pins nobody.
     fn may_deliver(&self) -> bool {
-        self.pin.is_pinned() || !self.joined.pinned
+        (self.pin.is_pinned() || !self.joined.pinned) && worker::nats_reachable(self.ctx())
     }
 
     /// Starts a lane worker for every message that may go now (each worker

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 use super::Driver;
 use crate::cluster::balance::STEP_DOWN_HOLD;
 use crate::runtime::fencing::next_token;
-use crate::runtime::pin::{announce_pinned, announce_standby, announce_unpinned, count_pin_change, pinned_to_someone};
+use crate::runtime::pin::{
+    announce_pinned, announce_standby, announce_unpinned, count_pin_change, pinned_here, pinned_to_someone,
+};
 
 /// The longest a seeking instance waits between asking who holds the pin.
 /// The answer only tells clients it stands by (the pin itself comes through
@@ -73,6 +75,16 @@ impl Driver {
             let _ = held.message.ack_with(async_nats::jetstream::AckKind::Nak(None)).await;
         }
         self.lose_pin(why);
+    }
+
+    /// After a reconnect the pin may be gone: a restarted server forgets
+    /// it, and another instance may hold it by now. A member holds its
+    /// lanes behind the handover barrier until the server names its pin
+    /// again (`check_pin`); a pull refused for the old pin loses it.
+    pub(super) fn on_reconnect(&mut self) {
+        if self.pin.is_pinned() && self.target.is_member() {
+            self.shared.lock().lanes.set_barrier(true);
+        }
     }
 
     /// Whether this instance should leave the next pin to others: it
@@ -213,7 +225,14 @@ impl Driver {
             // from a lower consumer sequence), so messages that went to a
             // lost pull are neither ack-pending nor here, but still due
             // before ours; they come when its delivery catches up.
-            if info.num_ack_pending <= ours && info.delivered.stream_sequence >= highest {
+            // The counts alone can mislead when the pin moved without this
+            // instance hearing of it (a restarted server forgets pins):
+            // an old holder's late acks lower the server's count below
+            // what is here. So the server must also name this pin.
+            if info.num_ack_pending <= ours
+                && info.delivered.stream_sequence >= highest
+                && pinned_here(&info, self.pin.id())
+            {
                 self.shared.lock().lanes.set_barrier(false);
             }
             return;

@@ -15,13 +15,13 @@ use tokio::sync::Notify;
 
 use crate::cluster::roster::Roster;
 use crate::delivery::message::Held;
+use crate::delivery::BatchLimits;
 use crate::events::{About, Event};
 use crate::names::MemberRef;
 use crate::runtime::deliver::{dead_letter_and_term, deliver, deliver_batch, BatchOutcome, DeliveryMetrics, Outcome};
 use crate::runtime::endpoint::Endpoint;
 use crate::runtime::lanes::{Blocked, Dispatched, LaneId, LaneKey, Lanes, Settled, Settlement};
 use crate::runtime::Runtime;
-use crate::webhook::BatchSpec;
 
 /// Lane state shared by the session and the lane workers. Never held across
 /// an await.
@@ -151,7 +151,7 @@ pub(super) struct LaneShared {
 
 /// What batch workers share.
 pub(super) struct Batching {
-    pub spec: BatchSpec,
+    pub limits: BatchLimits,
     /// More messages arrived (a batch waiting to fill looks again).
     pub arrived: Notify,
     /// Batches waiting to fill now.
@@ -177,9 +177,9 @@ impl Drop for BatchWorker {
 }
 
 impl Batching {
-    pub fn new(spec: BatchSpec, max_in_flight: usize) -> Self {
-        let max_workers = (max_in_flight / spec.max_messages.max(1) as usize).clamp(1, MAX_BATCH_WORKERS);
-        Self { spec, arrived: Notify::new(), filling: AtomicUsize::new(0), workers: Arc::default(), max_workers }
+    pub fn new(limits: BatchLimits, max_in_flight: usize) -> Self {
+        let max_workers = (max_in_flight / limits.max_messages.max(1)).clamp(1, MAX_BATCH_WORKERS);
+        Self { limits, arrived: Notify::new(), filling: AtomicUsize::new(0), workers: Arc::default(), max_workers }
     }
 
     /// Whether the driver may start another batch worker now: none is
@@ -196,17 +196,17 @@ impl Batching {
 
     /// More messages for `batch` (which holds `filled` payload bytes), as the spec allows.
     pub fn take(&self, lanes: &mut Lanes<Held>, batch_len: usize, filled: usize) -> Vec<Dispatched<Held>> {
-        let room = (self.spec.max_messages as usize).saturating_sub(batch_len);
+        let room = self.limits.max_messages.saturating_sub(batch_len);
         if room == 0 {
             return Vec::new();
         }
-        lanes.dispatch_batch(room, self.spec.max_bytes(), filled, |held| held.message.payload.len())
+        lanes.dispatch_batch(room, self.limits.max_bytes, filled, |held| held.message.payload.len())
     }
 
     /// Whether `batch` waits to fill: it is short of `max_messages` and the
     /// spec gives a wait.
     fn waits_to_fill(&self, batch: &[Dispatched<Held>]) -> bool {
-        !batch.is_empty() && !self.spec.max_wait().is_zero() && batch.len() < self.spec.max_messages as usize
+        !batch.is_empty() && !self.limits.max_wait.is_zero() && batch.len() < self.limits.max_messages
     }
 
     /// Counts `batch` as filling, if it waits to: no other batch starts
@@ -223,6 +223,21 @@ impl LaneShared {
     pub fn lock(&self) -> MutexGuard<'_, LaneState> {
         self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
+
+    /// Whether a worker may take the next message: the instance still
+    /// serves the pin, its endpoint is not gone, and keygate reaches NATS.
+    pub fn may_take_more(&self) -> bool {
+        self.serving.load(Ordering::Relaxed) && !self.gone.load(Ordering::Relaxed) && nats_reachable(&self.ctx)
+    }
+}
+
+/// Whether keygate's NATS connection is up. While it is not, nothing new is
+/// delivered: acks would only wait in the client's buffer, and the server
+/// may be restarting, which forgets the pin (another instance may hold it
+/// when the connection comes back; docs/architecture.md, "Why lanes, the
+/// handover barrier and fencing tokens").
+pub(super) fn nats_reachable(ctx: &Runtime) -> bool {
+    ctx.broker.client.connection_state() == async_nats::connection::State::Connected
 }
 
 /// Delivers `first`, then whatever may go next, one at a time, for as long
@@ -241,11 +256,7 @@ pub(super) async fn run_worker(shared: LaneShared, first: Dispatched<Held>) {
         }
         let mut state = shared.lock();
         settle_and_report(&shared, &mut state, &lane, seq, outcome.settled);
-        next = if shared.serving.load(Ordering::Relaxed) && !shared.gone.load(Ordering::Relaxed) {
-            state.lanes.dispatch_one()
-        } else {
-            None
-        };
+        next = if shared.may_take_more() { state.lanes.dispatch_one() } else { None };
     }
 }
 
@@ -318,7 +329,7 @@ pub(super) async fn run_batch_worker(
         for (dispatched, settled) in next.iter().zip(outcome.settled) {
             settle_and_report(&shared, &mut state, &dispatched.lane, dispatched.seq, settled);
         }
-        next = if shared.serving.load(Ordering::Relaxed) && !shared.gone.load(Ordering::Relaxed) {
+        next = if shared.may_take_more() {
             let next = batching.take(&mut state.lanes, 0, 0);
             batching.begin(&next);
             next
@@ -352,8 +363,8 @@ async fn fill(shared: &LaneShared, batching: &Batching, batch: &mut Vec<Dispatch
     if !batching.waits_to_fill(batch) {
         return;
     }
-    let full = |batch: &Vec<Dispatched<Held>>| batch.len() >= batching.spec.max_messages as usize;
-    let deadline = tokio::time::Instant::now() + batching.spec.max_wait();
+    let full = |batch: &Vec<Dispatched<Held>>| batch.len() >= batching.limits.max_messages;
+    let deadline = tokio::time::Instant::now() + batching.limits.max_wait;
     loop {
         let arrived = batching.arrived.notified();
         let timed_out = tokio::select! {
