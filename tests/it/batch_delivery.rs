@@ -84,6 +84,16 @@ fn effective_acks_of(
     done
 }
 
+/// The dead-letter stream's messages, once it holds at least `count`.
+async fn dead_letters_once(app: &TestApp, count: usize) -> Vec<(String, Vec<u8>, Option<async_nats::HeaderMap>)> {
+    eventually(WAIT, || async {
+        app.js.get_stream("KEYGATE_DEAD_LETTERS").await.ok()?;
+        let letters = app.stream_messages("KEYGATE_DEAD_LETTERS").await;
+        (letters.len() >= count).then_some(letters)
+    })
+    .await
+}
+
 fn status_by_key_and_attempt(item: &Value) -> &'static str {
     let n = item["data"]["n"].as_u64().unwrap();
     match (item["key"].as_str().unwrap(), n, item["attempt"].as_u64().unwrap()) {
@@ -133,12 +143,7 @@ async fn mixed_verdicts_settle_each_message_keep_key_order_and_dead_letter_exact
         assert_eq!(&done[key], seqs, "key {key}: each message done once, in order");
     }
     let poison = &published["poison"];
-    let dead = eventually(WAIT, || async {
-        app.js.get_stream("KEYGATE_DEAD_LETTERS").await.ok()?;
-        let letters = app.stream_messages("KEYGATE_DEAD_LETTERS").await;
-        (letters.len() >= poison.len()).then_some(letters)
-    })
-    .await;
+    let dead = dead_letters_once(&app, poison.len()).await;
     let seqs: Vec<u64> = dead
         .iter()
         .map(|(_, _, h)| h.as_ref().unwrap().get("keygate-stream-seq").unwrap().as_str().parse().unwrap())
@@ -443,12 +448,7 @@ async fn a_websocket_member_with_batch_gets_batch_frames_and_answers_each_in_one
     let error = client.next_of("error", WAIT).await;
     assert!(error["error"].as_str().unwrap().contains("K-999999"), "{error}");
     let poison = &published["poison"];
-    let dead = eventually(WAIT, || async {
-        app.js.get_stream("KEYGATE_DEAD_LETTERS").await.ok()?;
-        let letters = app.stream_messages("KEYGATE_DEAD_LETTERS").await;
-        (letters.len() >= poison.len()).then_some(letters)
-    })
-    .await;
+    let dead = dead_letters_once(&app, poison.len()).await;
     assert_eq!(dead.len(), poison.len(), "exactly the dead ones");
     app.assert_no_acks_without_verdict().await;
 }

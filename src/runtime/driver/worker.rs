@@ -247,16 +247,22 @@ pub(super) async fn run_worker(shared: LaneShared, first: Dispatched<Held>) {
     let mut next = Some(first);
     while let Some(Dispatched { lane, seq, message: held }) = next {
         let outcome = deliver_one(&shared, &lane, seq, &held).await;
-        for e in outcome.events {
-            shared.ctx.events.emit(e);
-        }
-        if outcome.gone {
-            shared.gone.store(true, Ordering::Relaxed);
-            shared.wake.notify_one();
-        }
+        announce(&shared, outcome.events, outcome.gone);
         let mut state = shared.lock();
         settle_and_report(&shared, &mut state, &lane, seq, outcome.settled);
         next = if shared.may_take_more() { state.lanes.dispatch_one() } else { None };
+    }
+}
+
+/// Emits a delivery's events; an endpoint gone (410) wakes the driver to
+/// stop serving it.
+fn announce(shared: &LaneShared, events: Vec<Event>, gone: bool) {
+    for e in events {
+        shared.ctx.events.emit(e);
+    }
+    if gone {
+        shared.gone.store(true, Ordering::Relaxed);
+        shared.wake.notify_one();
     }
 }
 
@@ -318,13 +324,7 @@ pub(super) async fn run_batch_worker(
         };
         let mut outcome = outcome;
         skip_failed_heads(&shared, &batch, &mut outcome).await;
-        for e in outcome.events {
-            shared.ctx.events.emit(e);
-        }
-        if outcome.gone {
-            shared.gone.store(true, Ordering::Relaxed);
-            shared.wake.notify_one();
-        }
+        announce(&shared, std::mem::take(&mut outcome.events), outcome.gone);
         let mut state = shared.lock();
         for (dispatched, settled) in next.iter().zip(outcome.settled) {
             settle_and_report(&shared, &mut state, &dispatched.lane, dispatched.seq, settled);
