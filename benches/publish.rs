@@ -15,7 +15,10 @@
 //! in alternating rounds and prints the median and the spread.
 //!
 //! `cargo bench --bench publish`; env `KEYGATE_BENCH_MESSAGES` (per
-//! throughput round, default 40000), `KEYGATE_BENCH_ROUNDS` (default 3);
+//! throughput round, default 40000), `KEYGATE_BENCH_ROUNDS` (default 3),
+//! `KEYGATE_BENCH_STORAGE=file|memory` (the streams' storage, default
+//! file), `KEYGATE_BENCH_RUN` (messages of a key in a row in the one-key
+//! rows, default 100: the whole batch);
 //! `KEYGATE_BENCH_PROFILE=single|batch|one-key` runs only keygate's 64
 //! clients, distinct-key batches or one-key batches, for a profiler.
 
@@ -48,11 +51,15 @@ fn payload(i: usize) -> Value {
     json!({"order": i, "customer": format!("customer-{}", i % 1000), "amount": 12.5, "items": ["a", "b"]})
 }
 
+/// Messages of one key in a row in the one-key rows: `KEYGATE_BENCH_RUN`,
+/// default a whole batch.
+static RUN: std::sync::LazyLock<usize> = std::sync::LazyLock::new(|| env_or("KEYGATE_BENCH_RUN", BATCH).max(1));
+
 /// The key of message `i`: 1,000 distinct keys, or, with `one_key_per`
-/// batch, the same key for each run of `BATCH` messages.
+/// batch, the same key for each run of [`RUN`] messages.
 fn key(i: usize, one_key_per_batch: bool) -> String {
     if one_key_per_batch {
-        format!("customer-{}", (i / BATCH) % 1000)
+        format!("customer-{}", (i / *RUN) % 1000)
     } else {
         format!("customer-{}", i % 1000)
     }
@@ -77,6 +84,12 @@ async fn reset(js: &jetstream::Context, name: &str) {
             destination: format!("{{{{partition({PARTITIONS},1)}}}}.{}", subject.replace('*', "{{wildcard(1)}}")),
             source: subject,
         }),
+        // As keygate's `PUT /v1/streams/{stream}` makes streams by default.
+        allow_atomic_publish: true,
+        storage: match std::env::var("KEYGATE_BENCH_STORAGE").as_deref() {
+            Ok("memory") => jetstream::stream::StorageType::Memory,
+            _ => jetstream::stream::StorageType::File,
+        },
         ..Default::default()
     })
     .await
@@ -339,13 +352,17 @@ async fn main() -> anyhow::Result<()> {
 
     println!(
         "keygate publish benchmark ({n} messages per throughput round, {rounds} rounds alternating, medians and \
-         spreads; {PARTITIONS} partitions, file store, loopback; bare = axum handler publishing and awaiting the ack)"
+         spreads; {PARTITIONS} partitions, {} store, loopback; bare = axum handler publishing and awaiting the ack)",
+        std::env::var("KEYGATE_BENCH_STORAGE").unwrap_or_else(|_| "file".into())
     );
     println!("| measure | raw async-nats | bare handler | keygate | keygate / bare | keygate / raw |");
     println!("|---|---|---|---|---|---|");
     let labels = [
         format!("batch publish, {BATCH} per request, distinct keys, {BATCHES_IN_FLIGHT} in flight (raw: pipelined), msg/s"),
-        format!("batch publish, {BATCH} per request, one key per batch, {BATCHES_IN_FLIGHT} in flight (raw: pipelined), msg/s"),
+        format!(
+            "batch publish, {BATCH} per request, one key per {} messages, {BATCHES_IN_FLIGHT} in flight (raw: pipelined), msg/s",
+            *RUN
+        ),
         format!("single publish, {CLIENTS} clients at once, req/s"),
     ];
     for (m, label) in labels.iter().enumerate() {

@@ -284,7 +284,8 @@ async fn store_batch(
     }
     let prepared = batch.messages.into_iter().map(|m| publish::prepare(&shape, m, None, max_payload)).collect();
     let started = std::time::Instant::now();
-    let results = publish::publish_all(&state.runtime.broker.js, &shape, prepared).await;
+    let broker = &state.runtime.broker;
+    let results = publish::publish_batch(&broker.js, &broker.run_slots, &shape, prepared).await;
     record(&stream, &results, "batch", started);
     let results = results
         .into_iter()

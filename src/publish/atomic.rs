@@ -33,19 +33,63 @@ struct AtomicError {
 
 /// Publishes every message or none, with JetStream's atomic batch publish
 /// (`Nats-Batch-Id`, `Nats-Batch-Sequence`, `Nats-Batch-Commit`): the first
-/// message and the commit are requests; the server stores the batch at the
-/// commit, in request order, or nothing.
+/// message and the commit are requests, so a refusal names its reason; the
+/// server stores the batch at the commit, in request order, or nothing.
 pub async fn publish_atomic(
     nats: &async_nats::Client,
     shape: &StreamShape,
     prepared: Vec<Prepared>,
 ) -> Result<Vec<PublishAck>, Error> {
-    use async_nats::header::{NATS_BATCH_COMMIT, NATS_BATCH_ID, NATS_BATCH_SEQUENCE};
     if prepared.len() > MAX_ATOMIC_MESSAGES {
         return Err(Error::new(
             Kind::TooLarge,
             format!("an atomic batch holds at most {MAX_ATOMIC_MESSAGES} messages, not {}", prepared.len()),
         ));
+    }
+    send_atomic(nats, shape, &prepared, FirstMessage::Request).await.map_err(AtomicFailure::into_error)
+}
+
+/// How the first message of an atomic batch goes out.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum FirstMessage {
+    /// As a request: a refusal of the batch's start answers at once, with
+    /// its reason (one more round trip).
+    Request,
+    /// Published like the rest: a refused start shows only at the commit,
+    /// which then finds the batch incomplete.
+    Publish,
+}
+
+/// Why an atomic batch was not (known to be) stored.
+pub(super) enum AtomicFailure {
+    /// Nothing of the batch was stored: refused, or never committed.
+    NotStored(Error),
+    /// The commit went out and no answer came: stored or not, unknown.
+    Unknown(Error),
+}
+
+impl AtomicFailure {
+    pub(super) fn into_error(self) -> Error {
+        match self {
+            Self::NotStored(e) | Self::Unknown(e) => e,
+        }
+    }
+}
+
+/// Sends `prepared` (at most [`MAX_ATOMIC_MESSAGES`]) as one atomic batch
+/// and answers each message's place: the server commits a batch's
+/// messages at consecutive sequences, so the commit's sequence and count
+/// give every one.
+pub(super) async fn send_atomic(
+    nats: &async_nats::Client,
+    shape: &StreamShape,
+    prepared: &[Prepared],
+    first: FirstMessage,
+) -> Result<Vec<PublishAck>, AtomicFailure> {
+    use async_nats::header::{NATS_BATCH_COMMIT, NATS_BATCH_ID, NATS_BATCH_SEQUENCE};
+    use AtomicFailure::{NotStored, Unknown};
+    fn not_sent(e: impl crate::nats::errors::NatsFailure + Send + Sync) -> AtomicFailure {
+        AtomicFailure::NotStored(unavailable_or_internal("publishing an atomic batch", e).into())
     }
     let batch_id = nats.new_inbox().rsplit('.').next().unwrap_or("batch").to_owned();
     let last = prepared.len();
@@ -56,50 +100,55 @@ pub async fn publish_atomic(
         headers.insert(NATS_BATCH_SEQUENCE, (i + 1).to_string().as_str());
         let subject = message.subject.clone();
         let payload = message.payload.clone();
-        let request = if i + 1 == last {
+        let is_commit = i + 1 == last;
+        if is_commit {
             headers.insert(NATS_BATCH_COMMIT, "1");
-            true
-        } else {
-            i == 0
-        };
-        if !request {
-            nats.publish_with_headers(subject, headers, payload)
-                .await
-                .map_err(|e| unavailable_or_internal("publishing an atomic batch", e))?;
+        } else if i > 0 || first == FirstMessage::Publish {
+            nats.publish_with_headers(subject, headers, payload).await.map_err(not_sent)?;
             continue;
         }
-        let answer = nats
-            .request_with_headers(subject, headers, payload)
-            .await
-            .map_err(|e| unavailable_or_internal("publishing an atomic batch", e))?;
+        let answer = match nats.request_with_headers(subject, headers, payload).await {
+            Ok(answer) => answer,
+            // No stream took the commit (or the start): nothing is stored.
+            Err(e) if !is_commit || e.kind() == async_nats::RequestErrorKind::NoResponders => return Err(not_sent(e)),
+            Err(e) => {
+                return Err(Unknown(
+                    Error::new(
+                        Kind::NotAcknowledged,
+                        "JetStream did not answer the atomic batch's commit; retry, with msg_id to avoid duplicates",
+                    )
+                    .caused_by(e),
+                ))
+            }
+        };
         if answer.payload.is_empty() {
             continue;
         }
         let answer: AtomicAnswer = serde_json::from_slice(&answer.payload)
-            .map_err(|e| Error::new(Kind::Internal, "unreadable atomic batch answer").caused_by(e))?;
+            .map_err(|e| Unknown(Error::new(Kind::Internal, "unreadable atomic batch answer").caused_by(e)))?;
         if let Some(error) = answer.error {
-            return Err(atomic_refusal(error));
+            return Err(NotStored(atomic_refusal(error)));
         }
-        if i + 1 == last {
+        if is_commit {
             commit = Some(answer);
         }
     }
-    let commit =
-        commit.ok_or_else(|| Error::new(Kind::NotAcknowledged, "the atomic batch was not committed; retry"))?;
+    let commit = commit
+        .ok_or_else(|| Unknown(Error::new(Kind::NotAcknowledged, "the atomic batch was not committed; retry")))?;
     let count = commit.count.unwrap_or(last as u64);
     if count != last as u64 {
-        return Err(Error::new(Kind::Internal, format!("the server committed {count} of {last} messages")));
+        return Err(Unknown(Error::new(Kind::Internal, format!("the server committed {count} of {last} messages"))));
     }
     let first_seq = commit.seq + 1 - count;
     Ok(prepared
-        .into_iter()
+        .iter()
         .enumerate()
         .map(|(i, p)| PublishAck {
             stream: shape.name.clone(),
             seq: first_seq + i as u64,
-            subject: p.subject,
+            subject: p.subject.clone(),
             partition: p.partition,
-            key: p.key,
+            key: p.key.clone(),
             duplicate: false,
         })
         .collect())

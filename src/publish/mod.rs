@@ -1,19 +1,22 @@
 //! Keyed publishing: a REST message becomes a subject, headers and payload
 //! (`prepare.rs`), is published to JetStream alone, in a batch that keeps
-//! each key's order (`batch.rs`) or in an all-or-nothing batch
-//! (`atomic.rs`), and is answered after the JetStream ack with the
-//! partition the server stamped (`send.rs`).
+//! each key's order (`batch.rs`; a key's run of messages as one atomic
+//! batch, `runs.rs`) or in an all-or-nothing batch (`atomic.rs`), and is
+//! answered after the JetStream ack with the partition the server stamped
+//! (`send.rs`).
 
 mod atomic;
 mod batch;
 mod error;
 mod prepare;
+mod runs;
 mod send;
 
 pub use atomic::{publish_atomic, MAX_ATOMIC_MESSAGES};
 pub use batch::publish_all;
 pub use error::{PublishError, PublishErrorKind};
 pub use prepare::{prepare, Prepared};
+pub use runs::{publish_batch, RunSlots};
 
 use std::collections::BTreeMap;
 

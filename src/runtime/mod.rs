@@ -76,6 +76,8 @@ pub struct Broker {
     /// Connections to NATS made so far: pulls waiting at the server may
     /// not outlive a reconnect, so instances pull again when it changes.
     pub connections: tokio::sync::watch::Receiver<u64>,
+    /// The atomic batches batch publishes may hold open for keys' runs.
+    pub run_slots: crate::publish::RunSlots,
 }
 
 /// keygate's state in NATS, each behind its own store.
@@ -130,6 +132,7 @@ impl Runtime {
                 buckets,
                 client,
                 js,
+                run_slots: Default::default(),
             },
         };
         // The configuration watchers start now rather than with the first member.

@@ -417,7 +417,7 @@ async fn atomic_batches_store_every_message_or_none() {
     assert_eq!(app.stream_messages("AT").await.len(), 10);
 
     // A stream without allow_atomic refuses, and stores nothing.
-    app.create_stream("PLAIN", json!({"subjects":["plain.*"]})).await;
+    app.create_stream("PLAIN", json!({"subjects":["plain.*"],"allow_atomic":false})).await;
     let (status, problem) =
         app.post("/v1/streams/PLAIN/messages/batch", json!({"messages": messages, "atomic": true})).await;
     assert_eq!(status, 409, "{problem}");
@@ -463,4 +463,106 @@ async fn a_full_stream_is_a_503_and_a_message_over_its_size_limit_a_413() {
     assert!(problem["detail"].as_str().unwrap().contains("full"), "{problem}");
     let (status, problem) = app.post("/v1/streams/FULL/messages", json!({"key":"c","data":"x".repeat(2000)})).await;
     assert_eq!(status, 413, "{problem}");
+}
+
+/// The subject's key and the payload's `i` of the message stored at `seq`.
+async fn stored_at(app: &TestApp, stream: &str, seq: u64) -> (String, Value) {
+    let stored = app.js.get_stream(stream).await.unwrap().get_raw_message(seq).await.unwrap();
+    let data: Value = serde_json::from_slice(&stored.payload).unwrap();
+    (stored.subject.rsplit('.').next().unwrap().to_owned(), data["i"].clone())
+}
+
+/// On a stream whose atomic batches the server stages in memory, a batch's
+/// run of one key's messages is stored as one atomic batch: at consecutive
+/// sequences, in request order, each item answered with where it is. A
+/// repeat of the batch (the same msg_ids) is refused as an atomic batch
+/// and answered message by message: every item a duplicate, at its first
+/// place.
+#[tokio::test]
+async fn a_keys_run_in_a_batch_is_stored_at_once_in_request_order() {
+    let app = TestApp::start().await;
+    app.create_stream("RUNS", json!({"subjects":["runs.*"],"partitions":4,"storage":"memory"})).await;
+    let keys = ["a", "b", "a", "c", "a", "b", "a", "", "b", "a"];
+    let messages: Vec<Value> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, key)| json!({"key": key, "msg_id": format!("m{i}"), "data": {"i": i}}))
+        .collect();
+    let batch = json!({"messages": messages});
+    let (status, first) = app.post("/v1/streams/RUNS/messages/batch", batch.clone()).await;
+    assert_eq!(status, 200, "{first}");
+    let results = first["results"].as_array().unwrap().clone();
+    assert_eq!(results[7]["error"]["status"], 400, "the empty key is refused alone: {}", results[7]);
+    let mut seqs_of: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
+    for (i, (key, result)) in keys.iter().zip(&results).enumerate().filter(|(i, _)| *i != 7) {
+        let seq = result["seq"].as_u64().unwrap_or_else(|| panic!("item {i}: {result}"));
+        assert_eq!(result["key"], *key);
+        assert_eq!(result["duplicate"], false);
+        assert_eq!(stored_at(&app, "RUNS", seq).await, (key.to_string(), json!(i)), "item {i} is stored at {seq}");
+        seqs_of.entry(key).or_default().push(seq);
+    }
+    for (key, seqs) in &seqs_of {
+        let consecutive: Vec<u64> = (seqs[0]..seqs[0] + seqs.len() as u64).collect();
+        assert_eq!(seqs, &consecutive, "key {key}'s run is stored together, in request order");
+    }
+
+    let (status, again) = app.post("/v1/streams/RUNS/messages/batch", batch).await;
+    assert_eq!(status, 200, "{again}");
+    for (i, (result, was)) in again["results"].as_array().unwrap().iter().zip(&results).enumerate() {
+        if i == 7 {
+            continue;
+        }
+        assert_eq!(result["duplicate"], true, "item {i}: {result}");
+        assert_eq!(result["seq"], was["seq"], "item {i}");
+    }
+    assert_eq!(app.stream_messages("RUNS").await.len(), 9);
+}
+
+/// When the stream refuses one message of a key's run, the run is not
+/// stored as one batch; it is sent message by message, and answers as
+/// without runs: the items before the refused one are stored, the refused
+/// one says why, and the later ones of that key are not sent.
+#[tokio::test]
+async fn a_run_the_stream_refuses_answers_each_item_as_message_by_message() {
+    use async_nats::jetstream::stream;
+    let app = TestApp::start().await;
+    app.js
+        .create_stream(stream::Config {
+            name: "SMALL".into(),
+            subjects: vec!["small.*".into()],
+            storage: stream::StorageType::Memory,
+            allow_atomic_publish: true,
+            max_message_size: 512,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let messages: Vec<Value> = (0..5)
+        .map(|i| match i {
+            2 => json!({"key": "k", "data": {"i": i, "pad": "x".repeat(2000)}}),
+            _ => json!({"key": "k", "data": {"i": i}}),
+        })
+        .collect();
+    let (status, answer) = app.post("/v1/streams/SMALL/messages/batch", json!({"messages": messages})).await;
+    assert_eq!(status, 200, "{answer}");
+    let results = answer["results"].as_array().unwrap();
+    for (i, stored) in results.iter().enumerate().take(2) {
+        let seq = stored["seq"].as_u64().unwrap_or_else(|| panic!("item {i}: {stored}"));
+        assert_eq!(stored_at(&app, "SMALL", seq).await, ("k".to_string(), json!(i)));
+    }
+    assert_eq!(results[2]["error"]["status"], 413, "{}", results[2]);
+    for later in &results[3..] {
+        assert!(later["error"]["detail"].as_str().unwrap().contains("not sent"), "{later}");
+    }
+    assert_eq!(app.stream_messages("SMALL").await.len(), 2);
+}
+
+/// Streams keygate makes allow atomic batches unless told not to.
+#[tokio::test]
+async fn streams_allow_atomic_batches_by_default() {
+    let app = TestApp::start().await;
+    app.create_stream("DEF", json!({"subjects":["def.*"]})).await;
+    app.create_stream("OFF", json!({"subjects":["off.*"],"allow_atomic":false})).await;
+    assert_eq!(app.get("/v1/streams/DEF").await.1["allow_atomic"], true);
+    assert_eq!(app.get("/v1/streams/OFF").await.1["allow_atomic"], false);
 }
