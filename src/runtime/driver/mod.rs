@@ -10,13 +10,15 @@
 //! - `worker.rs`: the workers that deliver;
 //! - `control.rs`: operators' control requests (members);
 //! - `keys.rs`: finding the key in a subject (members);
-//! - `plan.rs`: pull sizes and timings (pure).
+//! - `plan.rs`: pull sizes and timings (pure);
+//! - `watches.rs`: configuration, settings and pause updates that end a run.
 
 mod control;
 mod intake;
 mod keys;
 mod pinning;
 mod plan;
+mod watches;
 mod worker;
 
 use std::collections::BTreeSet;
@@ -24,15 +26,16 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream::kv::{Entry, Operation};
 use async_nats::jetstream::AckKind;
 use futures::StreamExt;
-use tokio::sync::broadcast::{error::RecvError, Receiver};
+use tokio::sync::broadcast::error::RecvError;
 use tokio::task::JoinSet;
-use tokio_stream::wrappers::{errors::BroadcastStreamRecvError, BroadcastStream};
+use tokio_stream::wrappers::BroadcastStream;
 use tokio_util::sync::CancellationToken;
 
 use self::keys::KeyLocator;
+pub use self::watches::Watches;
+use self::watches::{next_of, received};
 use self::worker::{run_batch_worker, run_worker, unblocked_event, Batching, BlockedLanes, LaneShared, LaneState};
 use super::lanes::{LaneId, Lanes};
 use super::pin::PinState;
@@ -45,8 +48,6 @@ use crate::cluster::balance::ROOM_RECHECK;
 use crate::consumers::Shuffle;
 use crate::delivery::message::{Held, Partitioning};
 use crate::events::Event;
-use crate::groups::config::config_key;
-use crate::groups::spec::filter_subjects_of;
 use crate::groups::{GroupConfig, GroupSettings, Ordering as GroupOrdering};
 use crate::names::MemberRef;
 use crate::pauses::PauseUpdate;
@@ -174,16 +175,6 @@ pub struct Driver {
     next_seek: Instant,
     /// When `check_pin` last ran.
     pin_checked: Instant,
-}
-
-/// The channels a run listens to besides its pulls.
-pub struct Watches {
-    /// The group's configuration changes (members).
-    pub configs: Option<Receiver<Arc<Entry>>>,
-    /// keygate's settings of groups (members).
-    pub settings: Option<Receiver<Arc<Entry>>>,
-    /// Pause flags.
-    pub pauses: Receiver<Arc<Entry>>,
 }
 
 impl Driver {
@@ -407,53 +398,6 @@ impl Driver {
         }
     }
 
-    /// A change of the group's configuration ends the session when it
-    /// changes what this member consumes.
-    fn on_config_update(&self, update: Result<Arc<Entry>, RecvError>) -> Option<Ended> {
-        let key = config_key(self.who().stream.as_str(), self.who().group.as_str());
-        let entry = match update {
-            Ok(entry) if entry.key == key => entry,
-            // Missed updates: read the configuration again.
-            Err(RecvError::Lagged(_)) => return Some(Ended::Rejoin { pinned: false }),
-            Ok(_) | Err(RecvError::Closed) => return None,
-        };
-        if entry.operation != Operation::Put {
-            return Some(Ended::Rejoin { pinned: false });
-        }
-        let joined = self.joined.member()?;
-        if entry.revision <= joined.revision {
-            return None;
-        }
-        let member = self.who().member.as_str();
-        let config = &joined.config;
-        let changed = match crate::groups::store::parse_stored(config.kind(), &entry.value) {
-            Ok(next) => {
-                next.partitions() != config.partitions()
-                    || filter_subjects_of(&next, member) != filter_subjects_of(config, member)
-            }
-            Err(_) => true,
-        };
-        changed.then_some(Ended::Rejoin { pinned: self.pin.is_pinned() })
-    }
-
-    /// A change of keygate's settings of this group (its ordering, its ack
-    /// wait) ends the session, which joins again with them.
-    fn on_settings_update(&self, update: Result<Arc<Entry>, RecvError>) -> Option<Ended> {
-        let key = config_key(self.who().stream.as_str(), self.who().group.as_str());
-        let entry = match update {
-            Ok(entry) if entry.key == key => entry,
-            Err(RecvError::Lagged(_)) => return Some(Ended::Rejoin { pinned: self.pin.is_pinned() }),
-            Ok(_) | Err(RecvError::Closed) => return None,
-        };
-        let next: GroupSettings = match entry.operation {
-            Operation::Put => serde_json::from_slice(&entry.value).unwrap_or_default(),
-            Operation::Delete | Operation::Purge => GroupSettings::default(),
-        };
-        let current = &self.joined.member()?.settings;
-        let changed = next.ordering() != current.ordering() || next.ack_wait_ms != current.ack_wait_ms;
-        changed.then_some(Ended::Rejoin { pinned: self.pin.is_pinned() })
-    }
-
     /// Whether this instance may deliver: it holds the pin, or the
     /// consumer pins nobody.
     fn may_deliver(&self) -> bool {
@@ -582,23 +526,6 @@ impl Driver {
             s.share.leave().await;
         }
         let _ = tokio::time::timeout(Duration::from_secs(2), self.ctx().broker.client.flush()).await;
-    }
-}
-
-/// A broadcast stream's item as the channel's own `recv` tells it.
-fn received<T>(item: Option<Result<T, BroadcastStreamRecvError>>) -> Result<T, RecvError> {
-    match item {
-        Some(Ok(value)) => Ok(value),
-        Some(Err(BroadcastStreamRecvError::Lagged(missed))) => Err(RecvError::Lagged(missed)),
-        None => Err(RecvError::Closed),
-    }
-}
-
-/// The next item of a stream the run may not have: never, without one.
-async fn next_of<T: Clone + Send + 'static>(stream: &mut Option<BroadcastStream<T>>) -> Option<Result<T, RecvError>> {
-    match stream {
-        Some(stream) => Some(received(stream.next().await)),
-        None => std::future::pending().await,
     }
 }
 
