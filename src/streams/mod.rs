@@ -105,8 +105,9 @@ pub struct StreamSpec {
     #[serde(default)]
     pub duplicate_window_ms: Option<u64>,
     /// Accept atomic batches (default true): `"atomic": true` on a batch
-    /// publish, and a batch's run of one key's messages stored in one round
-    /// trip. false: a key's messages in a batch are stored one after another.
+    /// publish; on a replicated or in-memory stream also a batch's run of
+    /// one key's messages stored in one round trip. false: a key's
+    /// messages in a batch are stored one after another.
     #[serde(default)]
     pub allow_atomic: Option<bool>,
     /// Free text.
