@@ -16,7 +16,6 @@ use crate::nats::embedded::EmbeddedServer;
 use crate::runtime::pull_instances::PullInstances;
 use crate::runtime::Runtime;
 use crate::settings::{NatsTarget, Settings};
-use crate::streams::Streams;
 
 /// How long shutdown waits for running requests.
 const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(20);
@@ -41,7 +40,6 @@ pub struct AppStateInner {
     pub settings: Arc<Settings>,
     /// What keygate runs on: NATS, its stores, the cluster (src/runtime/mod.rs).
     pub runtime: Arc<Runtime>,
-    pub streams: Streams,
     pub consumers: crate::consumers::Consumers,
     /// WebSocket member connections, awaited at shutdown.
     pub connections: tokio_util::task::TaskTracker,
@@ -91,7 +89,6 @@ pub async fn run(settings: Settings, listener: TcpListener, shutdown: Cancellati
         PullInstances::start(runtime.clone(), settings.pull_max_instances, connections.clone(), shutdown.child_token())
             .await?;
     let state = AppState(Arc::new(AppStateInner {
-        streams: Streams::new(runtime.broker.js.clone()),
         consumers: crate::consumers::Consumers::new(runtime.broker.js.clone(), runtime.stores.groups.clone()),
         settings: Arc::new(settings),
         runtime: runtime.clone(),

@@ -32,6 +32,10 @@ pub enum EventType {
     MessageTerminated,
     #[serde(rename = "message.dead_lettered")]
     MessageDeadLettered,
+    /// An answer's outputs were stored (docs/pipelines.md); the message's
+    /// `message.acked` follows.
+    #[serde(rename = "message.published_outputs")]
+    MessagePublishedOutputs,
     #[serde(rename = "partition.blocked")]
     PartitionBlocked,
     #[serde(rename = "partition.unblocked")]
@@ -58,6 +62,7 @@ impl EventType {
             Self::MessageNaked => "message.naked",
             Self::MessageTerminated => "message.terminated",
             Self::MessageDeadLettered => "message.dead_lettered",
+            Self::MessagePublishedOutputs => "message.published_outputs",
             Self::PartitionBlocked => "partition.blocked",
             Self::PartitionUnblocked => "partition.unblocked",
             Self::KeyBlocked => "key.blocked",
@@ -107,6 +112,12 @@ pub struct Event {
     /// Who paused or resumed the member (pause events).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub by: Option<String>,
+    /// `message.published_outputs`: the outputs stored now, and those an
+    /// earlier delivery of the message had stored (duplicates dropped).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outputs_stored: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outputs_duplicates: Option<u64>,
     #[serde(with = "time::serde::rfc3339")]
     #[schema(value_type = String, format = DateTime)]
     pub time: OffsetDateTime,
@@ -146,6 +157,8 @@ impl Event {
             pin_id: None,
             fencing_token: None,
             by: None,
+            outputs_stored: None,
+            outputs_duplicates: None,
             time: OffsetDateTime::now_utc(),
         }
     }
@@ -199,6 +212,16 @@ impl Event {
 
     pub fn message_acked(about: About<'_>, at: MessageAt, reason: &str) -> Self {
         Self::about_message(about, EventType::MessageAcked, at, reason)
+    }
+
+    /// The answer's outputs are stored: `stored` now, `duplicates` by an
+    /// earlier delivery of the same message.
+    pub fn message_published_outputs(about: About<'_>, at: MessageAt, stored: usize, duplicates: usize) -> Self {
+        Self {
+            outputs_stored: Some(stored as u64),
+            outputs_duplicates: Some(duplicates as u64),
+            ..Self::about_message(about, EventType::MessagePublishedOutputs, at, "outputs stored before the ack")
+        }
     }
 
     /// The message comes back after `delay`.

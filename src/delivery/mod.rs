@@ -7,6 +7,7 @@
 pub mod batch_verdict;
 pub mod frames;
 pub mod message;
+pub mod outputs;
 pub mod pull;
 pub mod verdict;
 pub mod websocket;

@@ -142,6 +142,10 @@ pub struct SubscriberSpec {
     pub ce_type: Option<String>,
     /// Deliver in batches, as a member's webhook may.
     pub batch: Option<BatchSpec>,
+    /// Streams the endpoint's answers may publish to, as a member's
+    /// webhook may (docs/pipelines.md).
+    #[schema(value_type = Option<Vec<String>>, max_items = 16)]
+    pub outputs: Option<Vec<StreamName>>,
 }
 
 /// A consumer's webhook subscriber.
@@ -231,6 +235,7 @@ pub fn pull_options(
 )]
 pub async fn put_subscriber(
     State(state): State<AppState>,
+    caller: Option<axum::Extension<crate::auth::Caller>>,
     Path((stream, consumer, subscriber)): Path<(StreamName, ConsumerName, MemberName)>,
     Json(spec): Json<SubscriberSpec>,
 ) -> Result<(StatusCode, Json<SubscriberView>), ApiError> {
@@ -253,7 +258,9 @@ pub async fn put_subscriber(
         format: spec.format,
         ce_type: spec.ce_type,
         batch: spec.batch,
+        outputs: spec.outputs,
     };
+    crate::http::webhooks::check_outputs(&state, caller.as_deref(), &webhook).await?;
     let key = format!("{stream}.{consumer}.{subscriber}");
     let (created, registration, secret) =
         state.runtime.stores.consumer_webhooks.put_with(&key, webhook, Some(options)).await?;

@@ -278,7 +278,7 @@ pub async fn redrive_dead_letters(
     let outcomes = dead_letters::redrive_in_order(
         &state.runtime.broker.js,
         &state.runtime.stores.dead_letters,
-        &state.streams,
+        &state.runtime.stores.streams,
         state.runtime.max_payload(),
         letters,
     )

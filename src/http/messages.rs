@@ -303,5 +303,5 @@ async fn publishable_shape(state: &AppState, stream: &StreamName) -> Result<std:
     if let Some(why) = crate::streams::reserved_stream_name(stream.as_str()) {
         return Err(Error::new(PublishErrorKind::Reserved, why));
     }
-    Ok(state.streams.shape(stream).await?)
+    Ok(state.runtime.stores.streams.shape(stream).await?)
 }

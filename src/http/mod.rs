@@ -53,7 +53,10 @@ use crate::http::problem::ApiError;
         (name = "dead-letters", description = "Messages terminated after failing: browse, redrive, delete"),
         (name = "events", description = "Pin, assignment and verdict events"),
         (name = "health", description = "Liveness and readiness")
-    )
+    ),
+    // Not a request or an answer of keygate's: what a webhook endpoint may
+    // answer to publish outputs (docs/pipelines.md), for generated clients.
+    components(schemas(crate::delivery::outputs::OutputsAnswer, crate::delivery::outputs::OutputMessage))
 )]
 struct ApiDoc;
 

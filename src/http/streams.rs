@@ -35,7 +35,7 @@ pub async fn put_stream(
     Path(stream): Path<StreamName>,
     Json(spec): Json<StreamSpec>,
 ) -> Result<(StatusCode, Json<StreamView>), ApiError> {
-    let (outcome, view) = state.streams.put(&stream, &spec).await?;
+    let (outcome, view) = state.runtime.stores.streams.put(&stream, &spec).await?;
     let status = match outcome {
         StreamPutOutcome::Created => StatusCode::CREATED,
         StreamPutOutcome::Unchanged => StatusCode::OK,
@@ -58,7 +58,7 @@ pub async fn get_stream(
     State(state): State<AppState>,
     Path(stream): Path<StreamName>,
 ) -> Result<Json<StreamView>, ApiError> {
-    Ok(Json(state.streams.get(&stream).await?))
+    Ok(Json(state.runtime.stores.streams.get(&stream).await?))
 }
 
 /// Whether deleting a stream also deletes its groups.
@@ -105,7 +105,7 @@ pub async fn delete_stream(
         let name = crate::names::GroupName::parse(&g.group)?;
         state.runtime.stores.groups.delete(&stream, &name, Some(g.kind)).await?;
     }
-    state.streams.delete(&stream).await?;
+    state.runtime.stores.streams.delete(&stream).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -130,5 +130,5 @@ pub async fn list_streams(
     State(state): State<AppState>,
     Query(query): Query<ListQuery>,
 ) -> Result<Json<Vec<StreamView>>, ApiError> {
-    Ok(Json(state.streams.list(query.all).await?))
+    Ok(Json(state.runtime.stores.streams.list(query.all).await?))
 }

@@ -5,6 +5,9 @@ use axum::http::StatusCode;
 
 use super::extract::{Json, OptionalJson, Path};
 use crate::app::AppState;
+use crate::auth::scopes::Requirement;
+use crate::auth::Caller;
+use crate::error::Class;
 use crate::http::problem::{ApiError, Problem};
 use crate::names::{GroupName, MemberName, StreamName};
 use crate::webhook::{registration_key, Registration, RegistrationView, RotateSecret, WebhookSpec, WebhookView};
@@ -44,6 +47,7 @@ fn view(
 )]
 pub async fn put_webhook(
     State(state): State<AppState>,
+    caller: Option<axum::Extension<Caller>>,
     Path((stream, group, member)): Path<(StreamName, GroupName, MemberName)>,
     Json(spec): Json<WebhookSpec>,
 ) -> Result<(StatusCode, Json<WebhookView>), ApiError> {
@@ -51,10 +55,45 @@ pub async fn put_webhook(
     if !stored.config.has_member(member.as_str()) {
         return Err(ApiError::NotFound(format!("member {member} is not in group {group}")));
     }
+    check_outputs(&state, caller.as_deref(), &spec).await?;
     let key = registration_key(stream.as_str(), group.as_str(), member.as_str());
     let (created, registration, secret) = state.runtime.stores.webhooks.put(&key, spec).await?;
     let status = if created { StatusCode::CREATED } else { StatusCode::OK };
     Ok((status, Json(view(&stream, &group, &member, registration, secret))))
+}
+
+/// Refuses outputs (docs/pipelines.md) the caller may not publish to
+/// (`publish:<stream>`), streams that do not exist, and streams whose
+/// duplicate window is shorter than the registration's redelivery horizon:
+/// past the window a republished output would be stored twice.
+pub async fn check_outputs(state: &AppState, caller: Option<&Caller>, spec: &WebhookSpec) -> Result<(), ApiError> {
+    let horizon = spec.redelivery_horizon();
+    for output in &spec.outputs()? {
+        let needed = Requirement::Publish { stream: output.to_string() };
+        if caller.is_some_and(|c| !c.scopes.allows(&needed)) {
+            return Err(ApiError::Forbidden { scope: needed.scope().unwrap_or_default() });
+        }
+        let view = match state.runtime.stores.streams.get(output).await {
+            Ok(view) => view,
+            Err(e) if e.class() == Class::NotFound => {
+                return Err(ApiError::BadRequest(format!("outputs: stream {output} does not exist")))
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let window = std::time::Duration::from_millis(view.duplicate_window_ms);
+        if window < horizon {
+            return Err(ApiError::BadRequest(format!(
+                "outputs: stream {output} drops duplicates for {} s, shorter than this registration's redelivery \
+                 horizon of {} s (max_attempts calls of timeout_ms and the backoff between them), so an output \
+                 published again by a late retry could be stored twice; create {output} with a duplicate_window_ms \
+                 of at least {}, or lower max_attempts, timeout_ms or backoff",
+                window.as_secs(),
+                horizon.as_secs_f64().ceil(),
+                horizon.as_millis()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The webhook serving a member (without its secret).

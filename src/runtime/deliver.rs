@@ -10,10 +10,12 @@ use std::time::Duration;
 use async_nats::jetstream::AckKind;
 
 use super::lanes::{LaneId, Settled, Settlement};
+use super::outputs::publish_outputs;
 use super::Runtime;
 use crate::dead_letters::{self, DeadLetter};
 use crate::delivery::batch_verdict::BatchJudgement;
 use crate::delivery::message::{Delivered, Held};
+use crate::delivery::outputs::Output;
 use crate::delivery::verdict::{backoff, Judgement, Verdict};
 use crate::events::{About, Event};
 use crate::names::MemberRef;
@@ -136,43 +138,54 @@ pub async fn deliver(
     }
     let called = std::time::Instant::now();
     let mut events = Vec::new();
-    let judgement = match &*endpoint {
-        Endpoint::Webhook(webhook) if webhook.protection.open() => Judgement {
-            verdict: Verdict::Nak { delay: None },
-            gone: false,
-            failed: false,
-            reason: "not sent: the circuit breaker is open and the member is pausing".into(),
-        },
+    let (judgement, outputs) = match &*endpoint {
+        Endpoint::Webhook(webhook) if webhook.protection.open() => (
+            Judgement {
+                verdict: Verdict::Nak { delay: None },
+                gone: false,
+                failed: false,
+                reason: "not sent: the circuit breaker is open and the member is pausing".into(),
+            },
+            Vec::new(),
+        ),
         Endpoint::Webhook(webhook) => {
             let WebhookEndpoint { registration, url, signer, protection, credentials } = &**webhook;
             protection.wait_turn().await;
             let trace = TraceContext::of_span(&span);
             let request = crate::webhook::request::outbound(registration, &who, &held, fencing, trace.as_ref());
             let sent = std::time::Instant::now();
-            let judgement = ctx.webhook_client.call(registration, url, signer, credentials, &request).await;
+            let (judgement, outputs) = ctx.webhook_client.call(registration, url, signer, credentials, &request).await;
             span.record("endpoint_ms", sent.elapsed().as_secs_f64() * 1000.0);
             metrics.endpoint_seconds.record(called.elapsed().as_secs_f64());
             let step = protection.record(judgement.failed);
             Box::pin(breaker_step(&ctx, &who, protection, step, &judgement, &mut events)).await;
-            judgement
+            (judgement, outputs)
         }
-        Endpoint::Socket(socket) => client_answered(&span, called, metrics, socket.call(&who, &held, fencing).await),
-        Endpoint::Pull(pull) => client_answered(&span, called, metrics, pull.call(&who, &held, fencing).await),
+        Endpoint::Socket(socket) => {
+            (client_answered(&span, called, metrics, socket.call(&who, &held, fencing).await), Vec::new())
+        }
+        Endpoint::Pull(pull) => {
+            (client_answered(&span, called, metrics, pull.call(&who, &held, fencing).await), Vec::new())
+        }
     };
-    let settled = apply(&ctx, &who, &endpoint, &held, &judgement, metrics, &mut events).await;
+    let settled = apply(&ctx, &who, &endpoint, &held, &judgement, &outputs, metrics, &mut events).await;
     span.record("verdict", verdict_word(&settled).0);
     Outcome { settled, events, gone: judgement.gone }
 }
 
-/// What a verdict does to its message: ack it, NAK it with the endpoint's
-/// delay or the backoff, or dead-letter it (also once its attempts are
-/// used up). Counted by verdict.
+/// What a verdict does to its message: ack it (once the answer's
+/// `outputs` are stored), NAK it with the endpoint's delay or the backoff,
+/// or dead-letter it (also once its attempts are used up). Outputs that
+/// are not all stored make the ack a retry (docs/pipelines.md). Counted by
+/// verdict.
+#[allow(clippy::too_many_arguments)]
 async fn apply(
     ctx: &Runtime,
     who: &MemberRef,
     endpoint: &Endpoint,
     held: &Delivered,
     judgement: &Judgement,
+    outputs: &[Output],
     metrics: &DeliveryMetrics,
     events: &mut Vec<Event>,
 ) -> Settled {
@@ -180,6 +193,21 @@ async fn apply(
         metrics.redeliveries.increment(1);
     }
     let about = ctx.about(who);
+    let unstored;
+    let judgement = match judgement.verdict {
+        Verdict::Ack if !outputs.is_empty() => match publish_outputs(ctx, who, held, outputs).await {
+            Ok(published) => {
+                events.push(Event::message_published_outputs(about, held.at(), published.stored, published.duplicates));
+                judgement
+            }
+            Err(e) => {
+                let reason = format!("{}, but {e}", judgement.reason);
+                unstored = Judgement { verdict: Verdict::Nak { delay: None }, reason, ..judgement.clone() };
+                &unstored
+            }
+        },
+        _ => judgement,
+    };
     let retry = |delay: Option<Duration>| {
         delay.unwrap_or_else(|| {
             let b = endpoint.backoff();
@@ -260,7 +288,7 @@ pub async fn deliver_batch(
             settled.push(Settled::Returned);
             continue;
         }
-        let outcome = apply(&ctx, &who, &endpoint, held, judgement, metrics, &mut events).await;
+        let outcome = apply(&ctx, &who, &endpoint, held, judgement, &[], metrics, &mut events).await;
         if outcome != Settled::Done(Settlement::Acked) {
             stopped.insert(lane);
         }

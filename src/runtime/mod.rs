@@ -7,6 +7,7 @@
 //!   order) or by plain concurrency (with the shuffle window);
 //! - `lanes.rs`, `pin.rs`, `pull.rs`: the pure cores the driver feeds;
 //! - `deliver.rs`: one delivery and what its verdict does;
+//! - `outputs.rs`: an answer's outputs, stored before its message is acked;
 //! - `runtime/supervisor.rs`, `runtime/pull_instances.rs`: who starts instances.
 
 pub mod config_watch;
@@ -17,6 +18,7 @@ pub mod fencing;
 pub mod instance;
 pub mod join;
 pub mod lanes;
+pub mod outputs;
 pub mod pin;
 pub mod pull;
 pub mod pull_instances;
@@ -92,6 +94,9 @@ pub struct Stores {
     pub consumer_webhooks: WebhookStore,
     /// The dead-letter stream, browsed and redriven through the API.
     pub dead_letters: crate::dead_letters::Archive,
+    /// Streams, and the shapes publishing needs (publishers' messages and
+    /// endpoints' outputs).
+    pub streams: crate::streams::Streams,
 }
 
 impl Runtime {
@@ -115,6 +120,7 @@ impl Runtime {
             webhooks: WebhookStore::new(buckets.clone(), policy.clone()),
             consumer_webhooks: WebhookStore::for_consumers(buckets.clone(), policy.clone()),
             dead_letters: crate::dead_letters::Archive::new(buckets.clone()),
+            streams: crate::streams::Streams::new(js.clone()),
         };
         let runtime = Self {
             events: EventBus::new(client.clone()),

@@ -23,6 +23,10 @@ pub const ACKS_WITHOUT_VERDICT: &str = "keygate_acks_without_verdict_total";
 /// Deliveries that reached this instance after a gap in the consumer's
 /// delivery sequence (deliveries it never saw): the handover barrier went up.
 pub const DELIVERY_GAPS: &str = "keygate_delivery_gaps_total";
+/// Endpoints' outputs by target stream and outcome: `stored`, or
+/// `duplicate` (an earlier delivery of the same message stored it, and the
+/// target stream's duplicate window dropped it; docs/pipelines.md).
+pub const OUTPUTS_PUBLISHED: &str = "keygate_outputs_published_total";
 /// Messages copied to the dead-letter stream.
 pub const DEAD_LETTERS: &str = "keygate_dead_letters_total";
 /// Dead letters published again to their stream (a repeated redrive of

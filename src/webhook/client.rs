@@ -11,7 +11,8 @@ use super::destination::DestinationPolicy;
 use super::registration::{Registration, MAX_RESPONSE_BODY};
 use super::signing::Signer;
 use crate::delivery::batch_verdict::{judge_batch, BatchJudgement, MAX_BATCH_ANSWER};
-use crate::delivery::verdict::{judge, Judgement, Response, RetryPolicy, MAX_RETRY_AFTER};
+use crate::delivery::outputs::{read_outputs, Output, MAX_OUTPUT_ANSWER};
+use crate::delivery::verdict::{judge, Judgement, Response, RetryPolicy, Verdict, MAX_RETRY_AFTER};
 
 /// One call to make.
 #[derive(Debug, Clone)]
@@ -43,7 +44,9 @@ impl WebhookClient {
         Credentials::load(auth, &self.policy, &self.http)
     }
 
-    /// POSTs one message to `url` (the registration's, parsed) and judges the answer.
+    /// POSTs one message to `url` (the registration's, parsed) and judges
+    /// the answer, with the outputs an ack's answer asks to publish
+    /// (docs/pipelines.md). Outputs refused turn the ack into a retry.
     pub async fn call(
         &self,
         registration: &Registration,
@@ -51,10 +54,23 @@ impl WebhookClient {
         signer: &Signer,
         credentials: &Credentials,
         outbound: &Outbound,
-    ) -> Judgement {
+    ) -> (Judgement, Vec<Output>) {
         let now = SystemTime::now();
-        let answer = self.exchange(registration, url, signer, credentials, outbound, MAX_RESPONSE_BODY, now).await;
-        judge(&answer.response(), now, retry_policy(registration, &mut Vec::new()))
+        let max_body = if registration.outputs.is_empty() { MAX_RESPONSE_BODY } else { MAX_OUTPUT_ANSWER };
+        let answer = self.exchange(registration, url, signer, credentials, outbound, max_body, now).await;
+        let judgement = judge(&answer.response(), now, retry_policy(registration, &mut Vec::new()));
+        match &answer {
+            Answer::Http { content_type, body, truncated, .. } if judgement.verdict == Verdict::Ack => {
+                match read_outputs(content_type.as_deref(), body, *truncated, &registration.outputs) {
+                    Ok(outputs) => (judgement, outputs),
+                    Err(refusal) => {
+                        let reason = format!("{}, but {refusal}", judgement.reason);
+                        (Judgement { verdict: Verdict::Nak { delay: None }, reason, ..judgement }, Vec::new())
+                    }
+                }
+            }
+            _ => (judgement, Vec::new()),
+        }
     }
 
     /// POSTs one batch (whose messages' ids are `ids`, in order) and judges
@@ -126,18 +142,32 @@ impl WebhookClient {
         }
         let header = |name: &str| response.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
         let (retry_after, keygate_ack) = (header("retry-after"), header("keygate-ack"));
-        let body = match read_capped(response, max_body).await {
-            Ok(body) => body,
+        let content_type = header("content-type");
+        // One byte past the limit tells a body that was cut.
+        let (body, truncated) = match read_capped(response, max_body + 1).await {
+            Ok(mut body) if body.len() > max_body => {
+                body.truncate(max_body);
+                (body, true)
+            }
+            Ok(body) => (body, false),
             Err(e) if e.is_timeout() => return Answer::Timeout,
-            Err(_) => Vec::new(),
+            Err(_) => (Vec::new(), true),
         };
-        Answer::Http { status, retry_after, keygate_ack, body }
+        Answer::Http { status, retry_after, keygate_ack, content_type, body, truncated }
     }
 }
 
 /// What came back from one call, owned.
 enum Answer {
-    Http { status: u16, retry_after: Option<String>, keygate_ack: Option<String>, body: Vec<u8> },
+    Http {
+        status: u16,
+        retry_after: Option<String>,
+        keygate_ack: Option<String>,
+        content_type: Option<String>,
+        body: Vec<u8>,
+        /// The body went on past the read limit (or broke off).
+        truncated: bool,
+    },
     Timeout,
     ConnectionError(String),
 }
@@ -145,7 +175,7 @@ enum Answer {
 impl Answer {
     fn response(&self) -> Response<'_> {
         match self {
-            Self::Http { status, retry_after, keygate_ack, body } => Response::Http {
+            Self::Http { status, retry_after, keygate_ack, body, .. } => Response::Http {
                 status: *status,
                 retry_after: retry_after.as_deref(),
                 keygate_ack: keygate_ack.as_deref(),

@@ -11,8 +11,10 @@ use utoipa::ToSchema;
 use super::credentials::OutboundAuth;
 use super::signing::{SecretError, Signer};
 use super::{WebhookError as Error, WebhookErrorKind as Kind};
+use crate::delivery::outputs::MAX_OUTPUT_STREAMS;
 use crate::delivery::verdict::Backoff;
 use crate::delivery::BatchLimits;
+use crate::names::StreamName;
 
 /// KV bucket of webhook registrations, key `<stream>.<group>.<member>`.
 pub const WEBHOOKS_BUCKET: &str = "keygate-webhooks";
@@ -106,6 +108,11 @@ impl DeliveryFormat {
     }
 }
 
+/// How long one call may take when the registration says nothing.
+pub const DEFAULT_TIMEOUT_MS: u64 = 10_000;
+/// Deliveries before a message is dead-lettered when the registration says nothing.
+pub const DEFAULT_MAX_ATTEMPTS: u64 = 10;
+
 /// A webhook as `PUT …/members/{member}/webhook` takes it.
 #[derive(Clone, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -169,6 +176,12 @@ pub struct WebhookSpec {
     /// with per-message results (docs/batched-deliveries.md).
     #[serde(default)]
     pub batch: Option<BatchSpec>,
+    /// Streams the endpoint's answers may publish to
+    /// (`{"publish":[…]}`, docs/pipelines.md): each answer's messages are
+    /// stored there before the delivered message is acked. At most 16.
+    #[serde(default)]
+    #[schema(value_type = Option<Vec<String>>, max_items = 16, example = json!(["PAYMENTS"]))]
+    pub outputs: Option<Vec<StreamName>>,
 }
 
 /// A stored registration.
@@ -209,6 +222,55 @@ pub struct Registration {
     pub ce_type: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batch: Option<BatchSpec>,
+    /// Streams the endpoint's answers may publish to.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub outputs: Vec<StreamName>,
+}
+
+impl WebhookSpec {
+    /// The streams its answers may publish to (docs/pipelines.md): at most
+    /// [`MAX_OUTPUT_STREAMS`], none of keygate's or the server's own, each
+    /// once, and only for unbatched deliveries. Whether they exist, keep
+    /// duplicates long enough and may be published by the caller is
+    /// checked where the registration is made (src/http/webhooks.rs).
+    pub fn outputs(&self) -> Result<Vec<StreamName>, Error> {
+        let mut outputs = self.outputs.clone().unwrap_or_default();
+        if outputs.len() > MAX_OUTPUT_STREAMS {
+            return Err(Error::new(
+                Kind::InvalidRegistration,
+                format!("outputs names at most {MAX_OUTPUT_STREAMS} streams"),
+            ));
+        }
+        if self.batch.is_some() && !outputs.is_empty() {
+            return Err(Error::new(
+                Kind::InvalidRegistration,
+                "outputs are read from unbatched deliveries' answers only: drop batch or outputs",
+            ));
+        }
+        for stream in &outputs {
+            if let Some(why) = crate::streams::reserved_stream_name(stream.as_str()) {
+                return Err(Error::new(Kind::InvalidRegistration, format!("outputs: {why}")));
+            }
+        }
+        outputs.sort();
+        outputs.dedup();
+        Ok(outputs)
+    }
+
+    /// The longest a message's deliveries can span under this
+    /// registration's retry policy: every attempt taking its whole timeout
+    /// and every retry waiting its whole backoff. An output published by
+    /// one attempt may be published again by any later one, so a target
+    /// stream must drop duplicates at least this long (docs/pipelines.md).
+    pub fn redelivery_horizon(&self) -> Duration {
+        let attempts = self.max_attempts.unwrap_or(DEFAULT_MAX_ATTEMPTS);
+        let backoff = self.backoff.unwrap_or_default();
+        let waits: f64 = (1..attempts)
+            .map(|a| (backoff.initial_ms as f64 * 2f64.powi(a.min(40) as i32 - 1)).min(backoff.max_ms as f64))
+            .sum();
+        let calls = attempts.saturating_mul(self.timeout_ms.unwrap_or(DEFAULT_TIMEOUT_MS));
+        Duration::from_millis(calls).saturating_add(Duration::from_secs_f64(waits / 1000.0))
+    }
 }
 
 impl Registration {
@@ -249,6 +311,7 @@ impl std::fmt::Debug for WebhookSpec {
             .field("format", &self.format)
             .field("ce_type", &self.ce_type)
             .field("batch", &self.batch)
+            .field("outputs", &self.outputs)
             .finish()
     }
 }
@@ -274,6 +337,7 @@ impl std::fmt::Debug for Registration {
             .field("format", &self.format)
             .field("ce_type", &self.ce_type)
             .field("batch", &self.batch)
+            .field("outputs", &self.outputs)
             .finish()
     }
 }
@@ -338,6 +402,10 @@ pub struct RegistrationView {
     pub ce_type: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub batch: Option<BatchSpec>,
+    /// Streams the endpoint's answers may publish to (docs/pipelines.md).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[schema(value_type = Vec<String>)]
+    pub outputs: Vec<StreamName>,
     /// After a rotation: until when the previous secret also signs.
     #[serde(skip_serializing_if = "Option::is_none", with = "time::serde::rfc3339::option")]
     #[schema(value_type = Option<String>, format = DateTime)]
@@ -364,6 +432,7 @@ impl RegistrationView {
             format: r.format,
             ce_type: r.ce_type.clone(),
             batch: r.batch,
+            outputs: r.outputs.clone(),
             previous_secret_expires_at: r.previous_secret_expires(),
             secret,
         }
@@ -468,6 +537,17 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_redelivery_horizon_is_every_call_and_every_backoff_wait_in_full() {
+        let default = WebhookSpec::default();
+        // 10 calls of 10 s; waits 0.5, 1, 2, 4, 8, 16, 32, then 60 twice.
+        assert_eq!(default.redelivery_horizon(), Duration::from_millis(100_000 + 183_500));
+        let one = WebhookSpec { max_attempts: Some(1), timeout_ms: Some(2000), ..Default::default() };
+        assert_eq!(one.redelivery_horizon(), Duration::from_secs(2));
+        let wide = WebhookSpec { max_attempts: Some(1000), timeout_ms: Some(300_000), ..Default::default() };
+        assert!(wide.redelivery_horizon() > Duration::from_secs(300_000));
+    }
+
+    #[test]
     fn registrations_never_show_their_secret_or_url_credentials() {
         let registration = Registration {
             url: "https://user:pw@hooks.example/orders?token=abc123#frag".into(),
@@ -488,6 +568,7 @@ mod tests {
             format: DeliveryFormat::Raw,
             ce_type: None,
             batch: None,
+            outputs: vec![],
         };
         let shown = format!("{registration:?}");
         for secret in

@@ -11,7 +11,7 @@ use super::credentials::check_headers;
 use super::destination::DestinationPolicy;
 use super::registration::{
     check_max_in_flight, check_protection, DeliveryFormat, Registration, SubscriberOptions, WebhookSpec,
-    CONSUMER_WEBHOOKS_BUCKET, WEBHOOKS_BUCKET,
+    CONSUMER_WEBHOOKS_BUCKET, DEFAULT_MAX_ATTEMPTS, DEFAULT_TIMEOUT_MS, WEBHOOKS_BUCKET,
 };
 use super::signing::SigningKey;
 use super::{WebhookError as Error, WebhookErrorKind as Kind};
@@ -57,11 +57,11 @@ impl WebhookStore {
     ) -> Result<(bool, Registration, Option<String>), Error> {
         let url =
             self.policy.check_url(&spec.url).await.map_err(|e| Error::new(Kind::DestinationRefused, e.to_string()))?;
-        let timeout_ms = spec.timeout_ms.unwrap_or(10_000);
+        let timeout_ms = spec.timeout_ms.unwrap_or(DEFAULT_TIMEOUT_MS);
         if !(1..=300_000).contains(&timeout_ms) {
             return Err(Error::new(Kind::InvalidRegistration, "timeout_ms must be between 1 and 300000"));
         }
-        let max_attempts = spec.max_attempts.unwrap_or(10);
+        let max_attempts = spec.max_attempts.unwrap_or(DEFAULT_MAX_ATTEMPTS);
         if !(1..=1000).contains(&max_attempts) {
             return Err(Error::new(Kind::InvalidRegistration, "max_attempts must be between 1 and 1000"));
         }
@@ -83,6 +83,7 @@ impl WebhookStore {
         if let Some(batch) = &spec.batch {
             batch.check()?;
         }
+        let outputs = spec.outputs()?;
         if let Some(headers) = &spec.headers {
             check_headers(headers)?;
         }
@@ -134,6 +135,7 @@ impl WebhookStore {
             format,
             ce_type: spec.ce_type,
             batch: spec.batch,
+            outputs,
         };
         let bytes = Bytes::from(serde_json::to_vec(&registration).unwrap_or_default());
         store.put(key, bytes).await.map_err(|e| unavailable_or_internal("storing webhook", e))?;

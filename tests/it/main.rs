@@ -21,6 +21,7 @@ mod node_loss;
 mod openapi;
 mod outbound_auth;
 mod pauses;
+mod pipelines;
 mod protection;
 mod publish;
 mod pull;

@@ -1,0 +1,290 @@
+//! Pipelines (docs/pipelines.md): a webhook's answer names messages to
+//! publish, keygate stores them with ids derived from the delivered message
+//! before it acks it, and refuses answers it cannot publish whole. Against
+//! a real nats-server.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use async_nats::jetstream;
+use serde_json::{json, Value};
+
+use crate::support::receiver::{Answer, Receiver, Recorded};
+use crate::support::{eventually, TestApp};
+
+const WAIT: Duration = Duration::from_secs(30);
+/// Longer than any test registration's redelivery horizon.
+const WINDOW_MS: u64 = 600_000;
+
+/// ORDERS (the source, 4 partitions) and PAYMENTS (a target with a long
+/// duplicate window), a key-ordered static group g of m1 on ORDERS.
+async fn pipeline(app: &TestApp) {
+    app.create_stream("ORDERS", json!({"subjects":["orders.*"],"partitions":4})).await;
+    app.create_stream("PAYMENTS", json!({"subjects":["payments.*"],"partitions":4,"duplicate_window_ms":WINDOW_MS}))
+        .await;
+    let group = json!({"kind":"static","partitions":4,"members":["m1"],"ack_wait_ms":5000});
+    let (status, view) = app.put("/v1/streams/ORDERS/groups/g", group).await;
+    assert_eq!(status, 201, "{view}");
+}
+
+async fn hook(app: &TestApp, receiver: &Receiver, outputs: Value) {
+    let body = json!({"url": receiver.url("/m1"), "outputs": outputs, "max_attempts": 2, "timeout_ms": 5000,
+        "backoff": {"initial_ms": 100, "max_ms": 200}});
+    let (status, view) = app.put("/v1/streams/ORDERS/groups/g/members/m1/webhook", body).await;
+    assert_eq!(status, 201, "{view}");
+    assert_eq!(view["outputs"], outputs, "{view}");
+}
+
+/// Publishes `rounds` messages of every key; key → sequences.
+async fn publish(app: &TestApp, keys: &[&str], rounds: u64) -> HashMap<String, Vec<u64>> {
+    let messages: Vec<Value> =
+        (0..rounds).flat_map(|n| keys.iter().map(move |k| json!({"key": k, "data": {"n": n}}))).collect();
+    let (status, acks) = app.post("/v1/streams/ORDERS/messages/batch", json!({"messages": messages})).await;
+    assert_eq!(status, 200, "{acks}");
+    let mut published: HashMap<String, Vec<u64>> = HashMap::new();
+    for ack in acks["results"].as_array().unwrap() {
+        published.entry(ack["key"].as_str().unwrap().to_owned()).or_default().push(ack["seq"].as_u64().unwrap());
+    }
+    published
+}
+
+/// A 2xx JSON answer publishing `outputs`.
+fn answer(outputs: Value) -> Answer {
+    Answer { body: json!({ "publish": outputs }).to_string(), ..Answer::ok() }
+        .header("content-type", "application/json")
+}
+
+/// One payment per order: same key, the order's sequence in the data.
+fn payment(request: &Recorded) -> Value {
+    json!({"stream": "PAYMENTS", "key": request.key(), "data": {"order": request.seq()}})
+}
+
+/// Every message of a stream: (msg id, key's subject token, data), in stream order.
+async fn stored(js: &jetstream::Context, stream: &str) -> Vec<(String, String, Value)> {
+    let mut stream = js.get_stream(stream).await.unwrap();
+    let last = stream.info().await.unwrap().state.last_sequence;
+    let mut all = Vec::new();
+    for seq in 1..=last {
+        let Ok(message) = stream.get_raw_message(seq).await else { continue };
+        let id = message.headers.get("Nats-Msg-Id").map(|v| v.to_string()).unwrap_or_default();
+        let key = message.subject.rsplit('.').next().unwrap_or_default().to_owned();
+        all.push((id, key, serde_json::from_slice(&message.payload).unwrap_or(Value::Null)));
+    }
+    all
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outputs_are_stored_in_key_order_with_ids_a_replay_publishes_again_as_duplicates() {
+    let app = TestApp::start().await;
+    pipeline(&app).await;
+    let receiver = Receiver::start(|request, _| answer(json!([payment(request)]))).await;
+    hook(&app, &receiver, json!(["PAYMENTS"])).await;
+    let mut events = app.nats.subscribe("keygate.events.ORDERS.g.m1.>").await.unwrap();
+    let published = publish(&app, &["alice", "bob", "carol"], 10).await;
+    let outputs = eventually(WAIT, || async {
+        let outputs = stored(&app.js, "PAYMENTS").await;
+        (outputs.len() == 30).then_some(outputs)
+    })
+    .await;
+    // Each output's id names the order it came from; each key's payments
+    // are in its orders' order.
+    for (key, seqs) in &published {
+        let mine: Vec<&(String, String, Value)> = outputs.iter().filter(|(_, k, _)| k == key).collect();
+        let orders: Vec<u64> = mine.iter().map(|(_, _, data)| data["order"].as_u64().unwrap()).collect();
+        assert_eq!(&orders, seqs, "{key}'s payments in order");
+        for (id, _, data) in mine {
+            assert_eq!(id, &format!("ORDERS:g:{}:0", data["order"]), "the output's id derives from its order");
+        }
+    }
+    // Stored before the ack: the outputs event comes before the ack's.
+    let mut first_seen: HashMap<(String, u64), usize> = HashMap::new();
+    let mut n = 0;
+    while first_seen.len() < 60 {
+        let event = tokio::time::timeout(WAIT, futures::StreamExt::next(&mut events)).await.unwrap().unwrap();
+        let event: Value = serde_json::from_slice(&event.payload).unwrap();
+        let kind = event["type"].as_str().unwrap().to_owned();
+        if kind == "message.published_outputs" || kind == "message.acked" {
+            first_seen.entry((kind, event["seq"].as_u64().unwrap())).or_insert(n);
+            n += 1;
+        }
+    }
+    for seqs in published.values() {
+        for seq in seqs {
+            let outputs_at = first_seen[&("message.published_outputs".to_owned(), *seq)];
+            assert!(outputs_at < first_seen[&("message.acked".to_owned(), *seq)], "seq {seq}: outputs after the ack");
+        }
+    }
+    assert_eq!(app.metric("keygate_outputs_published_total").await, 30.0);
+
+    // A replay delivers every order again; the answers publish the same
+    // ids, which PAYMENTS's duplicate window drops.
+    let (status, seek) = app.post("/v1/streams/ORDERS/groups/g/seek", json!({"to": {"seq": 1}})).await;
+    assert_eq!(status, 200, "{seek}");
+    eventually(WAIT, || async { (receiver.requests().iter().filter(|r| r.ok()).count() >= 60).then_some(()) }).await;
+    let duplicates = eventually(WAIT, || async {
+        let text = app.http.get(app.url("/metrics")).send().await.unwrap().text().await.unwrap();
+        let line =
+            text.lines().find(|l| l.starts_with("keygate_outputs_published_total") && l.contains("duplicate"))?;
+        let count: f64 = line.rsplit(' ').next()?.parse().ok()?;
+        (count >= 30.0).then_some(count)
+    })
+    .await;
+    assert_eq!(duplicates, 30.0);
+    assert_eq!(stored(&app.js, "PAYMENTS").await.len(), 30, "nothing stored twice");
+    assert_eq!(app.metric(crate::support::ACKS_WITHOUT_VERDICT).await, 0.0);
+}
+
+/// An answer's outputs to a stream that stages atomic batches in memory
+/// go as one atomic batch: stored at consecutive sequences even while other
+/// keys' outputs are published at the same time. A replay's batch, whose
+/// ids are all stored, is refused by the server and goes again message by
+/// message, each answered as a duplicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_answers_outputs_to_an_in_memory_stream_go_as_one_atomic_batch() {
+    let app = TestApp::start().await;
+    pipeline(&app).await;
+    let audit = json!({"subjects":["audit.*"],"storage":"memory","duplicate_window_ms":WINDOW_MS});
+    app.create_stream("AUDIT", audit).await;
+    let receiver = Receiver::start(|request, _| {
+        let entry = |step: u64| json!({"stream": "AUDIT", "key": request.key(), "data": {"order": request.seq(), "step": step}});
+        answer(json!([entry(0), entry(1), entry(2)]))
+    })
+    .await;
+    hook(&app, &receiver, json!(["AUDIT"])).await;
+    let keys: Vec<String> = (0..16).map(|k| format!("k{k}")).collect();
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    publish(&app, &keys, 5).await;
+    let entries = eventually(WAIT, || async {
+        let entries = stored(&app.js, "AUDIT").await;
+        (entries.len() == 16 * 5 * 3).then_some(entries)
+    })
+    .await;
+    for three in entries.chunks(3) {
+        let orders: Vec<&Value> = three.iter().map(|(_, _, d)| &d["order"]).collect();
+        let steps: Vec<&Value> = three.iter().map(|(_, _, d)| &d["step"]).collect();
+        assert!(orders.iter().all(|o| *o == orders[0]), "one answer's outputs at consecutive sequences: {three:?}");
+        assert_eq!(steps, [&json!(0), &json!(1), &json!(2)]);
+        assert_eq!(three[2].0, format!("ORDERS:g:{}:2", orders[0]));
+    }
+    let (status, seek) = app.post("/v1/streams/ORDERS/groups/g/seek", json!({"to": {"seq": 1}})).await;
+    assert_eq!(status, 200, "{seek}");
+    eventually(WAIT, || async {
+        let text = app.http.get(app.url("/metrics")).send().await.unwrap().text().await.unwrap();
+        let line =
+            text.lines().find(|l| l.starts_with("keygate_outputs_published_total") && l.contains("duplicate"))?;
+        (line.rsplit(' ').next()?.parse::<f64>().ok()? == 240.0).then_some(())
+    })
+    .await;
+    assert_eq!(stored(&app.js, "AUDIT").await.len(), 240, "nothing stored twice");
+}
+
+/// Each kind of answer keygate cannot publish whole is retried, then
+/// dead-lettered with its reason; nothing of it is published, and the
+/// key's next message follows it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_that_cannot_be_published_whole_are_dead_lettered_with_nothing_published() {
+    let app = TestApp::start().await;
+    pipeline(&app).await;
+    app.create_stream("GONE", json!({"subjects":["gone.*"],"duplicate_window_ms":WINDOW_MS})).await;
+    let big = "x".repeat(600 * 1024);
+    let receiver = Receiver::start(move |request, _| {
+        let body: Value = serde_json::from_slice(&request.body).unwrap();
+        let good = payment(request);
+        if body["n"] == 1 {
+            return answer(json!([good]));
+        }
+        match request.key().as_str() {
+            "undeclared" => answer(json!([good, {"stream": "LEDGER", "key": "x", "data": 1}])),
+            "malformed" => answer(json!({"stream": "PAYMENTS"})),
+            "many" => answer(Value::Array(vec![good; 101])),
+            "large" => answer(json!([good, {"stream": "PAYMENTS", "key": "l", "data": big}, {"stream": "PAYMENTS", "key": "l", "data": big}])),
+            "missing" => answer(json!([good, {"stream": "GONE", "key": "g", "data": 1}])),
+            "wrong-subject" => answer(json!([good, {"stream": "PAYMENTS", "subject": "orders.x", "data": 1}])),
+            _ => answer(json!([good])),
+        }
+    })
+    .await;
+    hook(&app, &receiver, json!(["GONE", "PAYMENTS"])).await;
+    assert_eq!(app.delete("/v1/streams/GONE").await.0, 204);
+    let kinds = ["undeclared", "malformed", "many", "large", "missing", "wrong-subject"];
+    let published = publish(&app, &kinds, 2).await;
+    let letters = eventually(WAIT, || async {
+        let (_, page) = app.get("/v1/dead-letters?stream=ORDERS&group=g").await;
+        let letters = page["dead_letters"].as_array()?.clone();
+        (letters.len() == kinds.len()).then_some(letters)
+    })
+    .await;
+    let reasons: HashMap<String, String> = letters
+        .iter()
+        .map(|l| (l["key"].as_str().unwrap().to_owned(), l["reason"].as_str().unwrap().to_owned()))
+        .collect();
+    let expected = [
+        ("undeclared", "does not declare"),
+        ("malformed", "publish list is not valid"),
+        ("many", "at most 100"),
+        ("large", "payload bytes"),
+        ("missing", "GONE"),
+        ("wrong-subject", "output 1 to PAYMENTS was refused"),
+    ];
+    for (key, words) in expected {
+        let reason = &reasons[key];
+        assert!(reason.contains(words) && reason.starts_with("gave up after 2 attempts"), "{key}: {reason}");
+    }
+    for letter in &letters {
+        assert_eq!(letter["attempts"], 2, "{letter}");
+    }
+    // Only the second message of each key published: its one payment.
+    let outputs = eventually(WAIT, || async {
+        let outputs = stored(&app.js, "PAYMENTS").await;
+        (outputs.len() == kinds.len()).then_some(outputs)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(stored(&app.js, "PAYMENTS").await.len(), kinds.len(), "nothing of a refused answer is published");
+    for (key, seqs) in &published {
+        let orders: Vec<u64> =
+            outputs.iter().filter(|(_, k, _)| k == key).map(|(_, _, d)| d["order"].as_u64().unwrap()).collect();
+        assert_eq!(orders, vec![seqs[1]], "{key}: only the second order's payment");
+    }
+    // Each key's second order came after its first one's last attempt was answered.
+    let requests = receiver.requests();
+    for seqs in published.values() {
+        let first_done = requests.iter().filter(|r| r.seq() == seqs[0]).filter_map(|r| r.answered).max().unwrap();
+        let second_came = requests.iter().filter(|r| r.seq() == seqs[1]).map(|r| r.at).min().unwrap();
+        assert!(second_came > first_done, "seq {} went before seq {} was settled", seqs[1], seqs[0]);
+    }
+    assert_eq!(app.metric(crate::support::ACKS_WITHOUT_VERDICT).await, 0.0);
+}
+
+#[tokio::test]
+async fn registrations_are_refused_outputs_they_cannot_publish_effectively_once() {
+    let app = TestApp::start().await;
+    pipeline(&app).await;
+    app.create_stream("SHORT", json!({"subjects":["short.*"],"duplicate_window_ms":1000})).await;
+    let put = |body: Value| {
+        let app = &app;
+        async move { app.put("/v1/streams/ORDERS/groups/g/members/m1/webhook", body).await }
+    };
+    let url = "http://127.0.0.1:9/m1";
+    let cases = [
+        (json!({"url": url, "outputs": ["NOPE"]}), "stream NOPE does not exist"),
+        (json!({"url": url, "outputs": ["SHORT"], "max_attempts": 2}), "drops duplicates for 1 s"),
+        (json!({"url": url, "outputs": ["PAYMENTS"], "timeout_ms": 60_000}), "duplicate_window_ms of at least"),
+        (json!({"url": url, "outputs": ["KV_keygate"]}), "own state"),
+        (json!({"url": url, "outputs": ["not a name"]}), "invalid"),
+        (json!({"url": url, "outputs": ["PAYMENTS"], "max_attempts": 2, "batch": {"max_messages": 10}}), "unbatched"),
+    ];
+    // PAYMENTS keeps duplicates 600 s: ten calls of 60 s and the default
+    // backoff between them (183.5 s) outlast it.
+    for (body, words) in cases {
+        let (status, problem) = put(body.clone()).await;
+        assert_eq!(status, 400, "{body}: {problem}");
+        assert!(problem["detail"].as_str().unwrap_or_default().contains(words), "{body}: {problem}");
+    }
+    let many: Vec<String> = (0..17).map(|i| format!("S{i}")).collect();
+    let (status, problem) = put(json!({"url": url, "outputs": many})).await;
+    assert_eq!(status, 400, "{problem}");
+    let (status, view) = put(json!({"url": url, "outputs": ["PAYMENTS", "PAYMENTS"], "max_attempts": 3})).await;
+    assert_eq!(status, 201, "{view}");
+    assert_eq!(view["outputs"], json!(["PAYMENTS"]));
+}
