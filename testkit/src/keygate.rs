@@ -99,11 +99,23 @@ impl KeygateProcess {
         if let Some(id) = launch.instance_id {
             command.args(["--instance-id", id]);
         }
+        // To see what processes did in a run that failed:
+        // KEYGATE_TEST_LOG_DIR keeps each one's log there, filtered by
+        // KEYGATE_TEST_PROCESS_LOG (default: the launch's own filter).
+        let (filter, logs) = match std::env::var_os("KEYGATE_TEST_LOG_DIR") {
+            Some(dir) => {
+                let name = format!("{}-{port}.log", launch.instance_id.unwrap_or("keygate"));
+                let file = std::fs::File::create(std::path::Path::new(&dir).join(name)).expect("a log file");
+                let filter = std::env::var("KEYGATE_TEST_PROCESS_LOG").unwrap_or_else(|_| launch.log_filter.to_owned());
+                (filter, Stdio::from(file))
+            }
+            None => (launch.log_filter.to_owned(), launch.logs),
+        };
         let child = command
             .args(launch.extra)
-            .env("KEYGATE_LOG", launch.log_filter)
+            .env("KEYGATE_LOG", filter)
             .envs(launch.env.iter().copied())
-            .stdout(launch.logs)
+            .stdout(logs)
             .stderr(Stdio::null())
             .spawn()
             .expect("starting keygate");

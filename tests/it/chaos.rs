@@ -22,17 +22,17 @@ use crate::support::receiver::{Answer, Receiver, Recorded};
 use crate::support::ws::{member_url, WsClient};
 use crate::support::{http_client, KeygateProcess, NatsServer};
 
-const KEYS: u64 = 1000;
+pub(crate) const KEYS: u64 = 1000;
 const BATCH: u64 = 500;
 /// Batches are paced so that publishing spans the chaos, not just its start.
 const BATCH_EVERY: Duration = Duration::from_millis(100);
-const INSTANCES: [&str; 3] = ["chaos-a", "chaos-b", "chaos-c"];
-const KILL_EVERY: Duration = Duration::from_secs(3);
+pub(crate) const INSTANCES: [&str; 3] = ["chaos-a", "chaos-b", "chaos-c"];
+pub(crate) const KILL_EVERY: Duration = Duration::from_secs(3);
 /// Everything published must be delivered within this time after publishing ends.
 const DRAIN_LIMIT: Duration = Duration::from_secs(150);
 
 /// The base URLs of the keygate processes now running.
-type Alive = Arc<Mutex<Vec<Option<String>>>>;
+pub(crate) type Alive = Arc<Mutex<Vec<Option<String>>>>;
 
 fn any_alive(alive: &Alive, turn: usize) -> Option<String> {
     let alive = alive.lock().unwrap();
@@ -78,30 +78,10 @@ async fn nothing_is_lost_or_reordered_while_keygate_and_nats_are_killed() {
     let stop = Arc::new(AtomicBool::new(false));
     let arrivals: Arc<Mutex<Vec<Arrival>>> = Arc::default();
     let socket_member = tokio::spawn(socket_member(alive.clone(), arrivals.clone(), stop.clone()));
-    let publisher = tokio::spawn(publish_all(http.clone(), alive.clone(), messages));
+    let publisher = tokio::spawn(publish_all(http.clone(), alive.clone(), "CHAOS", messages));
 
-    // Chaos until everything is published: a keygate SIGKILLed every few
-    // seconds and restarted a second later; nats-server restarted once.
-    let started = Instant::now();
-    let mut kills = 0;
-    let mut nats_restarted = false;
-    let mut acks_without_verdict = 0.0;
-    while !publisher.is_finished() || (kills < 6 && started.elapsed() < Duration::from_secs(60)) {
-        tokio::time::sleep(KILL_EVERY).await;
-        let victim = rand::random_range(0..INSTANCES.len());
-        alive.lock().unwrap()[victim] = None;
-        acks_without_verdict += processes[victim].acks_without_verdict(&http).await;
-        processes[victim].kill();
-        kills += 1;
-        if kills == 3 && !nats_restarted {
-            server.restart();
-            nats_restarted = true;
-        }
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        processes[victim] = KeygateProcess::start(&server.url(), INSTANCES[victim]);
-        processes[victim].wait_ready(&http).await;
-        alive.lock().unwrap()[victim] = Some(processes[victim].base.clone());
-    }
+    let Chaos { kills, nats_restarted, mut acks_without_verdict } =
+        chaos_until(&mut processes, &mut server, &alive, &http, || publisher.is_finished()).await;
     let published = publisher.await.unwrap();
     let published_at = Instant::now();
     assert_eq!(published.len() as u64, messages);
@@ -180,17 +160,64 @@ async fn nothing_is_lost_or_reordered_while_keygate_and_nats_are_killed() {
     println!("| drained after the last publish | {:.1} s |", drained.as_secs_f64());
 }
 
-/// Publishes `messages` over `KEYS` keys in batches with message ids, to
-/// whichever keygate is up; a batch that fails is sent again (the ids make
-/// the retry store nothing twice). Returns (key, seq) of each message.
-async fn publish_all(http: reqwest::Client, alive: Alive, messages: u64) -> Vec<(String, u64)> {
+/// What [`chaos_until`] did.
+pub(crate) struct Chaos {
+    pub kills: usize,
+    pub nats_restarted: bool,
+    /// `keygate_acks_without_verdict_total` of the processes killed, read
+    /// just before each kill.
+    pub acks_without_verdict: f64,
+}
+
+/// Chaos until `done` (and for at least six kills or a minute): a keygate
+/// of `processes` SIGKILLed every few seconds and restarted a second
+/// later, nats-server restarted once, at the third kill. `alive` names the
+/// processes up at each moment.
+pub(crate) async fn chaos_until(
+    processes: &mut [KeygateProcess],
+    server: &mut NatsServer,
+    alive: &Alive,
+    http: &reqwest::Client,
+    done: impl Fn() -> bool,
+) -> Chaos {
+    let started = Instant::now();
+    let mut chaos = Chaos { kills: 0, nats_restarted: false, acks_without_verdict: 0.0 };
+    while !done() || (chaos.kills < 6 && started.elapsed() < Duration::from_secs(60)) {
+        tokio::time::sleep(KILL_EVERY).await;
+        let victim = rand::random_range(0..processes.len());
+        alive.lock().unwrap()[victim] = None;
+        chaos.acks_without_verdict += processes[victim].acks_without_verdict(http).await;
+        processes[victim].kill();
+        chaos.kills += 1;
+        if chaos.kills == 3 && !chaos.nats_restarted {
+            server.restart();
+            chaos.nats_restarted = true;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        processes[victim] = KeygateProcess::start(&server.url(), INSTANCES[victim]);
+        processes[victim].wait_ready(http).await;
+        alive.lock().unwrap()[victim] = Some(processes[victim].base.clone());
+    }
+    chaos
+}
+
+/// Publishes `messages` over `KEYS` keys to `stream` in batches with
+/// message ids, to whichever keygate is up; a batch that fails is sent
+/// again (the ids make the retry store nothing twice). Returns (key, seq)
+/// of each message.
+pub(crate) async fn publish_all(
+    http: reqwest::Client,
+    alive: Alive,
+    stream: &'static str,
+    messages: u64,
+) -> Vec<(String, u64)> {
     let mut published = Vec::with_capacity(messages as usize);
     let mut turn = 0;
     let mut n = 0;
     while n < messages {
         let paced = tokio::time::sleep(BATCH_EVERY);
         let batch: Vec<Value> = (n..(n + BATCH).min(messages))
-            .map(|i| json!({"key": format!("k{}", i % KEYS), "msg_id": format!("chaos-{i}"), "data": {"n": i}}))
+            .map(|i| json!({"key": format!("k{}", i % KEYS), "msg_id": format!("{stream}-{i}"), "data": {"n": i}}))
             .collect();
         loop {
             turn += 1;
@@ -199,7 +226,7 @@ async fn publish_all(http: reqwest::Client, alive: Alive, messages: u64) -> Vec<
                 continue;
             };
             let answer = http
-                .post(format!("{base}/v1/streams/CHAOS/messages/batch"))
+                .post(format!("{base}/v1/streams/{stream}/messages/batch"))
                 .json(&json!({"messages": batch}))
                 .timeout(Duration::from_secs(10))
                 .send()

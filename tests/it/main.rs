@@ -3,6 +3,7 @@
 mod auth;
 mod batch_delivery;
 mod chaos;
+mod chaos_pipeline;
 mod cli;
 mod cloudevents;
 mod cluster;

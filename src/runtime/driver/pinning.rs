@@ -234,6 +234,8 @@ impl Driver {
                 && pinned_here(&info, self.pin.id())
             {
                 self.shared.lock().lanes.set_barrier(false);
+                tracing::debug!(member = %self.who().member, pin = self.pin.id(), ack_pending = info.num_ack_pending, ours,
+                    delivered = info.delivered.stream_sequence, highest, "handover barrier down");
             }
             return;
         }
