@@ -24,7 +24,8 @@
 //! an instant receiver in that ordering, for a profiler;
 //! `KEYGATE_BENCH_USER_PATH=partition|key` runs only the user's order, with
 //! `KEYGATE_BENCH_WORK_MS` of work per request, default 0;
-//! `KEYGATE_BENCH_BATCHED=1` runs only the batched rows).
+//! `KEYGATE_BENCH_BATCHED=1` runs only the batched rows;
+//! `KEYGATE_BENCH_PIPELINE=1` runs only the one-stage pipeline rows).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -65,6 +66,9 @@ struct Sink {
     /// Set: the receiver works on one request at a time (a single worker,
     /// a lock), so its cost is paid per request in series.
     serial: Option<Arc<tokio::sync::Mutex<()>>>,
+    /// Set: each answer publishes one message to this stream
+    /// (docs/pipelines.md), keyed and numbered like the message delivered.
+    outputs: Option<&'static str>,
 }
 
 impl Sink {
@@ -81,6 +85,7 @@ impl Sink {
             in_flight: Arc::default(),
             most_in_flight: Arc::default(),
             serial: None,
+            outputs: None,
         }
     }
 
@@ -121,8 +126,18 @@ impl Sink {
                     vec![(header("keygate-key"), header("keygate-stream-seq").parse().unwrap_or(0))]
                 };
                 if messages.iter().any(|(key, _)| sink.poison.as_deref() == Some(key.as_str())) {
-                    return (axum::http::StatusCode::INTERNAL_SERVER_ERROR, "poison");
+                    let json = [(axum::http::header::CONTENT_TYPE, "application/json")];
+                    return (axum::http::StatusCode::INTERNAL_SERVER_ERROR, json, "poison".to_owned());
                 }
+                let answer = match sink.outputs {
+                    Some(stream) if !batched => {
+                        let (key, seq) = &messages[0];
+                        json!({"publish": [{"stream": stream, "key": key, "data": {"seq": seq}}]}).to_string()
+                    }
+                    // A batch's 2xx acks all only with an empty body.
+                    _ if batched => String::new(),
+                    _ => "ok".to_owned(),
+                };
                 for (key, seq) in messages {
                     if sink.watched.contains(&key) {
                         sink.watched_arrivals.lock().unwrap().push(Instant::now());
@@ -138,8 +153,7 @@ impl Sink {
                     sink.arrivals.lock().unwrap().push(Instant::now());
                     sink.done.fetch_add(1, Ordering::Relaxed);
                 }
-                // A batch's 2xx acks all only with an empty body.
-                (axum::http::StatusCode::OK, if batched { "" } else { "ok" })
+                (axum::http::StatusCode::OK, [(axum::http::header::CONTENT_TYPE, "application/json")], answer)
             }
         });
         let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
@@ -351,7 +365,13 @@ struct UserPath {
 /// raw baseline consumes the same backlog on the same server: partition
 /// ordering against the partition-serial consumer with the member's
 /// filters, key ordering against a consumer with 256 deliveries in flight.
-async fn user_path(http: &reqwest::Client, work: Duration, keys: &[u64], ordering: &str) -> UserPath {
+async fn user_path(
+    http: &reqwest::Client,
+    work: Duration,
+    keys: &[u64],
+    ordering: &str,
+    outputs: Option<&'static str>,
+) -> UserPath {
     let nats = support::NatsServer::start();
     let endpoint = NatsEndpoint::open(&nats.url());
     let keygate = support::KeygateProcess::for_bench(&endpoint, None);
@@ -374,12 +394,20 @@ async fn user_path(http: &reqwest::Client, work: Duration, keys: &[u64], orderin
             .unwrap();
         assert!(r.status().is_success(), "{}", r.text().await.unwrap());
     }
-    let sink = Sink::new(work);
+    let sink = Sink { outputs, ..Sink::new(work) };
     let url = sink.clone().serve().await;
     let group = json!({"kind":"static","partitions":PARTITIONS,"members":["m"],"ordering":ordering});
     let r = put("/v1/streams/USER/groups/g", group).await.unwrap();
     assert!(r.status().is_success(), "{}", r.text().await.unwrap());
-    let r = put("/v1/streams/USER/groups/g/members/m/webhook", json!({"url": url})).await.unwrap();
+    let mut hook = json!({"url": url});
+    if let Some(target) = outputs {
+        // Duplicates kept longer than the default registration's retries last.
+        let stream = json!({"subjects":["out.*"],"partitions":PARTITIONS,"duplicate_window_ms":600_000});
+        let r = put(&format!("/v1/streams/{target}"), stream).await.unwrap();
+        assert!(r.status().is_success(), "{}", r.text().await.unwrap());
+        hook["outputs"] = json!([target]);
+    }
+    let r = put("/v1/streams/USER/groups/g/members/m/webhook", hook).await.unwrap();
     assert!(r.status().is_success(), "{}", r.text().await.unwrap());
     // keygate's CPU from the first delivery to the last.
     while sink.done.load(Ordering::Relaxed) == 0 {
@@ -389,6 +417,10 @@ async fn user_path(http: &reqwest::Client, work: Duration, keys: &[u64], orderin
     sink.wait_for(keys.len() as u64, Duration::from_secs(600)).await;
     let cpu_share = (keygate.cpu_seconds() - cpu_before) / started.elapsed().as_secs_f64();
     assert_eq!(sink.reorders.load(Ordering::Relaxed), 0, "no per-key reorder");
+    if let Some(target) = outputs {
+        let view: Value = http.get(format!("{base}/v1/streams/{target}")).send().await.unwrap().json().await.unwrap();
+        assert_eq!(view["messages"], json!(keys.len()), "one output stored per message: {view}");
+    }
     let _ = http.delete(format!("{base}/v1/streams/USER/groups/g")).send().await;
     keygate.terminate().await;
 
@@ -405,6 +437,25 @@ async fn user_path(http: &reqwest::Client, work: Duration, keys: &[u64], orderin
         cpu_share,
         raw: raw_sink.rate(),
     }
+}
+
+/// A one-stage pipeline (docs/pipelines.md) in the user's order: the same
+/// instant receiver, key ordering, acking without outputs and answering
+/// with one output per message (stored before the ack), each on a fresh
+/// nats-server and keygate.
+async fn print_pipeline(http: &reqwest::Client, keys: &[u64]) {
+    let plain = user_path(http, Duration::ZERO, keys, "key", None).await;
+    let pipeline = user_path(http, Duration::ZERO, keys, "key", Some("OUT")).await;
+    println!("one-stage pipeline (key ordering, instant receiver, the user's order)");
+    println!("| receiver answers | keygate | keygate CPU | ratio | target |");
+    println!("|---|---|---|---|---|");
+    println!("| 200, no outputs | {:.0} msg/s | {:.0}% of a core | | |", plain.rate, plain.cpu_share * 100.0);
+    println!(
+        "| 200 with one output per message | {:.0} msg/s | {:.0}% of a core | {:.2}× | ≥ 0.6× |",
+        pipeline.rate,
+        pipeline.cpu_share * 100.0,
+        pipeline.rate / plain.rate
+    );
 }
 
 /// Batched webhook deliveries against a receiver that costs `work` per
@@ -580,7 +631,7 @@ async fn main() -> anyhow::Result<()> {
     let uniform = key_sequence(n, false);
     if let Ok(ordering) = std::env::var("KEYGATE_BENCH_USER_PATH") {
         let work = Duration::from_millis(support::env_or("KEYGATE_BENCH_WORK_MS", 0));
-        let user = user_path(&http, work, &uniform, &ordering).await;
+        let user = user_path(&http, work, &uniform, &ordering, None).await;
         let baseline = if ordering == "key" { "raw, 256 in flight" } else { "raw partition-serial, member's filters" };
         println!(
             "{ordering} ordering, user's path, receiver work {} ms: keygate {:.0} msg/s ({} at most in flight at the \
@@ -592,6 +643,11 @@ async fn main() -> anyhow::Result<()> {
             user.raw,
             user.rate / user.raw
         );
+        rig.stop().await;
+        return Ok(());
+    }
+    if std::env::var("KEYGATE_BENCH_PIPELINE").is_ok() {
+        print_pipeline(&http, &uniform).await;
         rig.stop().await;
         return Ok(());
     }
@@ -646,6 +702,8 @@ async fn main() -> anyhow::Result<()> {
     println!();
     println!("batched webhook deliveries (key ordering, 1,000 keys)");
     print_batched(&rig, &uniform).await;
+    println!();
+    print_pipeline(&http, &uniform).await;
 
     println!();
     println!("the user's order: a backlog published through keygate first, then the member registers (keygate as its own process)");
@@ -655,7 +713,7 @@ async fn main() -> anyhow::Result<()> {
         ("partition", "partition-serial, member's filters", "≥ 0.7×"),
         ("key", "256 in flight, member's filters", "≥ 0.9×"),
     ] {
-        let user = user_path(&http, Duration::ZERO, &uniform, ordering).await;
+        let user = user_path(&http, Duration::ZERO, &uniform, ordering, None).await;
         println!(
             "| {ordering} | answers at once | {baseline} | {:.0} msg/s | {:.0} msg/s | {:.2}× | {:.0}% of a core | {target} |",
             user.raw,

@@ -52,12 +52,7 @@ async fn nothing_is_lost_or_reordered_while_keygate_and_nats_are_killed() {
     let messages: u64 = std::env::var("KEYGATE_CHAOS_MESSAGES").ok().and_then(|v| v.parse().ok()).unwrap_or(100_000);
     let mut server = NatsServer::start();
     let http = http_client();
-    let mut processes: Vec<KeygateProcess> =
-        INSTANCES.iter().map(|id| KeygateProcess::start(&server.url(), id)).collect();
-    for p in &processes {
-        p.wait_ready(&http).await;
-    }
-    let alive: Alive = Arc::new(Mutex::new(processes.iter().map(|p| Some(p.base.clone())).collect()));
+    let (mut processes, alive) = start_replicas(&server, &http).await;
     let base = processes[0].base.clone();
     let put = |path: &str, body: Value| http.put(format!("{base}{path}")).json(&body).send();
     assert_eq!(put("/v1/streams/CHAOS", json!({"subjects":["chaos.*"],"partitions":16})).await.unwrap().status(), 201);
@@ -158,6 +153,16 @@ async fn nothing_is_lost_or_reordered_while_keygate_and_nats_are_killed() {
     );
     println!("| dead letters (all with a reason) | {} {reasons:?} |", dead.len());
     println!("| drained after the last publish | {:.1} s |", drained.as_secs_f64());
+}
+
+/// The keygate processes of `INSTANCES` on `server`, ready, and who is up.
+pub(crate) async fn start_replicas(server: &NatsServer, http: &reqwest::Client) -> (Vec<KeygateProcess>, Alive) {
+    let processes: Vec<KeygateProcess> = INSTANCES.iter().map(|id| KeygateProcess::start(&server.url(), id)).collect();
+    for p in &processes {
+        p.wait_ready(http).await;
+    }
+    let alive: Alive = Arc::new(Mutex::new(processes.iter().map(|p| Some(p.base.clone())).collect()));
+    (processes, alive)
 }
 
 /// What [`chaos_until`] did.

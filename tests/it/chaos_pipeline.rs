@@ -28,9 +28,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::chaos::{chaos_until, publish_all, Alive, Chaos, INSTANCES, KEYS, KILL_EVERY};
+use crate::chaos::{chaos_until, publish_all, start_replicas, Chaos, KEYS, KILL_EVERY};
 use crate::support::receiver::{Answer, Receiver, Recorded};
-use crate::support::{http_client, KeygateProcess, NatsServer};
+use crate::support::{http_client, NatsServer};
 
 /// Everything must reach LEDGER within this time after publishing ends.
 const DRAIN_LIMIT: Duration = Duration::from_secs(180);
@@ -64,12 +64,7 @@ async fn a_pipeline_stores_each_order_once_in_key_order_while_keygate_and_nats_a
     let messages: u64 = std::env::var("KEYGATE_PIPELINE_MESSAGES").ok().and_then(|v| v.parse().ok()).unwrap_or(20_000);
     let mut server = NatsServer::start();
     let http = http_client();
-    let mut processes: Vec<KeygateProcess> =
-        INSTANCES.iter().map(|id| KeygateProcess::start(&server.url(), id)).collect();
-    for p in &processes {
-        p.wait_ready(&http).await;
-    }
-    let alive: Alive = Arc::new(Mutex::new(processes.iter().map(|p| Some(p.base.clone())).collect()));
+    let (mut processes, alive) = start_replicas(&server, &http).await;
     let base = processes[0].base.clone();
     let put = |path: String, body: Value| http.put(format!("{base}{path}")).json(&body).send();
     for (stream, subject) in [("ORDERS", "orders.*"), ("PAYMENTS", "payments.*"), ("LEDGER", "ledger.*")] {
