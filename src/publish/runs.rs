@@ -36,6 +36,13 @@ impl Default for RunSlots {
     }
 }
 
+impl RunSlots {
+    /// A free slot, held until dropped; `None` when all are taken.
+    pub fn try_take(&self) -> Option<tokio::sync::SemaphorePermit<'_>> {
+        self.0.try_acquire().ok()
+    }
+}
+
 /// Publishes a batch request's items, each key's in request order, and
 /// answers in request order (as [`publish_all`], which it falls back to):
 /// each key with a run of several messages (on a stream whose atomic
@@ -53,7 +60,7 @@ pub async fn publish_batch(
         Vec::new()
     };
     let taken: Vec<(Vec<usize>, SemaphorePermit<'_>)> =
-        runs.into_iter().map_while(|run| slots.0.try_acquire().ok().map(|permit| (run, permit))).collect();
+        runs.into_iter().map_while(|run| slots.try_take().map(|permit| (run, permit))).collect();
     if taken.is_empty() {
         return publish_all(js, shape, prepared).await;
     }

@@ -4,7 +4,8 @@
 //! the `Nats-Msg-Id` its place derives (`delivery/outputs.rs`), so a
 //! redelivery's outputs, published again, are dropped by the target
 //! stream's duplicate window. The outputs of one delivery to one stream
-//! that stages atomic batches in memory go as one atomic batch.
+//! that stages atomic batches in memory go as one atomic batch, while one
+//! of the process's atomic batch slots is free.
 
 use std::sync::Arc;
 
@@ -94,7 +95,9 @@ async fn publish_run(
             .filter_map(|(i, output)| prepare(ctx, who, held, first + i, output, shape).ok())
             .collect()
     };
-    if run.len() > 1 && shape.atomic_runs {
+    // A slot of the batch publishes' (src/publish/runs.rs) keeps this
+    // process under the server's limit of atomic batches open per stream.
+    if let Some(_slot) = (run.len() > 1 && shape.atomic_runs).then(|| ctx.broker.run_slots.try_take()).flatten() {
         if let Ok(acks) = publish::publish_atomic(&ctx.broker.client, shape, prepared()).await {
             return Ok(acks);
         }
