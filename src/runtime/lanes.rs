@@ -442,6 +442,11 @@ impl<M: Clone> Lanes<M> {
         self.held + self.in_flight
     }
 
+    /// Messages held and not in flight.
+    pub fn held_count(&self) -> usize {
+        self.held
+    }
+
     /// NAK'd messages this instance waits for.
     pub fn awaiting(&self) -> usize {
         self.lanes.values().map(|l| l.awaiting.len()).sum()

@@ -194,9 +194,10 @@ impl Driver {
                 return;
             }
         }
-        let (barrier, ours, highest) = {
+        let (barrier, ours, parked, highest) = {
             let state = self.shared.lock();
-            (state.lanes.barrier(), state.lanes.holding() + state.lanes.awaiting(), state.lanes.highest())
+            let parked = state.lanes.held_count() + state.lanes.awaiting();
+            (state.lanes.barrier(), state.lanes.holding() + state.lanes.awaiting(), parked, state.lanes.highest())
         };
         let barrier = self.pin.is_pinned() && barrier;
         // A standby only waits: the pin comes to it through its pulls.
@@ -218,6 +219,27 @@ impl Driver {
         let Ok(handle) = self.ctx().broker.js.get_stream_no_info(&self.joined.stream_name).await else { return };
         let Ok(info) = handle.consumer_info(&self.joined.consumer).await else { return };
         if barrier {
+            // More here than the consumer counts un-acked: some of what this
+            // instance has was settled elsewhere (a previous holder's
+            // delivery that ended after the message was redelivered here).
+            // Such entries could make the counts below match while another
+            // instance still has a message, so the barrier cannot fall on
+            // them. When the surplus is among the messages waiting here
+            // (not in flight), they go back to the server, which redelivers
+            // (here, the pin being ours) only what is still pending, and
+            // the count starts over; a surplus in flight ends with its
+            // deliveries.
+            if info.num_ack_pending < ours {
+                if info.num_ack_pending < parked {
+                    let released = self.shared.lock().lanes.release_held();
+                    tracing::debug!(member = %self.who().member, ack_pending = info.num_ack_pending, ours, parked,
+                        "holding more than the consumer counts: handed back for redelivery");
+                    for held in released {
+                        let _ = held.message.ack_with(async_nats::jetstream::AckKind::Nak(None)).await;
+                    }
+                }
+                return;
+            }
             // Every message the consumer counts as delivered and un-acked is
             // ours, and it has delivered at least up to the newest one we
             // hold. The second half matters after a consumer leader change:
