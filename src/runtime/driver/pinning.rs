@@ -230,7 +230,9 @@ impl Driver {
             // the count starts over; a surplus in flight ends with its
             // deliveries.
             if info.num_ack_pending < ours {
-                if info.num_ack_pending < parked {
+                // A consumer leader whose state lags counts too little
+                // until its deliveries catch up (below): no hand-back then.
+                if info.num_ack_pending < parked && info.delivered.stream_sequence >= highest {
                     let released = self.shared.lock().lanes.release_held();
                     tracing::debug!(member = %self.who().member, ack_pending = info.num_ack_pending, ours, parked,
                         "holding more than the consumer counts: handed back for redelivery");
