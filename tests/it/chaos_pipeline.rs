@@ -17,7 +17,9 @@
 //! conditions in the suite (a 20 ms receiver and 503s with Retry-After).
 //! It still reorders a key in some runs (each order stored exactly once):
 //! a handover where what the new holder counts matches the consumer's
-//! count while a message is still out elsewhere is not ruled out yet.
+//! count while a message is still out elsewhere is not ruled out yet. And
+//! some runs leave keys blocked on a NAK'd head the server never delivers
+//! again (the drain limit then fails the run).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
