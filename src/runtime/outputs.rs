@@ -50,20 +50,23 @@ pub async fn publish_outputs(
     outputs: &[Output],
 ) -> Result<Published, OutputsError> {
     let mut shapes: Vec<Arc<StreamShape>> = Vec::with_capacity(outputs.len());
+    let mut prepared: Vec<Prepared> = Vec::with_capacity(outputs.len());
     for (index, output) in outputs.iter().enumerate() {
         let refused = |error| OutputsError::Refused { index, stream: output.stream.to_string(), error };
         let shape = ctx.stores.streams.shape(&output.stream).await.map_err(|e| refused(e.into()))?;
-        // Prepared once here to refuse a bad output before anything is sent.
-        prepare(ctx, who, held, index, output, &shape).map_err(refused)?;
+        // All prepared before any is sent: a bad output refuses the answer whole.
+        prepared.push(prepare(ctx, who, held, index, output, &shape).map_err(refused)?);
         shapes.push(shape);
     }
+    let mut prepared = prepared.into_iter();
     let mut published = Published::default();
     let mut start = 0;
     // Runs of consecutive outputs to one stream, in the answer's order.
     while start < outputs.len() {
         let stream = &outputs[start].stream;
         let end = outputs[start..].iter().position(|o| &o.stream != stream).map_or(outputs.len(), |n| start + n);
-        let acks = publish_run(ctx, who, held, &outputs[start..end], start, &shapes[start]).await?;
+        let run_prepared = prepared.by_ref().take(end - start).collect();
+        let acks = publish_run(ctx, who, held, &outputs[start..end], start, &shapes[start], run_prepared).await?;
         let run = Published {
             stored: acks.iter().filter(|a| !a.duplicate).count(),
             duplicates: acks.iter().filter(|a| a.duplicate).count(),
@@ -88,21 +91,34 @@ async fn publish_run(
     run: &[Output],
     first: usize,
     shape: &StreamShape,
+    prepared: Vec<Prepared>,
 ) -> Result<Vec<PublishAck>, OutputsError> {
-    let prepared = || -> Vec<Prepared> {
-        run.iter()
-            .enumerate()
-            .filter_map(|(i, output)| prepare(ctx, who, held, first + i, output, shape).ok())
-            .collect()
-    };
+    let mut prepared = Some(prepared);
     // A slot of the batch publishes' (src/publish/runs.rs) keeps this
     // process under the server's limit of atomic batches open per stream.
     if let Some(_slot) = (run.len() > 1 && shape.atomic_runs).then(|| ctx.broker.run_slots.try_take()).flatten() {
-        if let Ok(acks) = publish::publish_atomic(&ctx.broker.client, shape, prepared()).await {
+        if let Ok(acks) = publish::publish_atomic(&ctx.broker.client, shape, prepared.take().unwrap_or_default()).await
+        {
             return Ok(acks);
         }
     }
-    let results = publish::publish_all(&ctx.broker.js, shape, prepared().into_iter().map(Ok).collect()).await;
+    // A message is not kept once sent: after a refused atomic batch, its
+    // messages are made again.
+    let prepared = match prepared {
+        Some(prepared) => prepared,
+        None => run
+            .iter()
+            .enumerate()
+            .map(|(i, output)| {
+                prepare(ctx, who, held, first + i, output, shape).map_err(|error| OutputsError::Refused {
+                    index: first + i,
+                    stream: shape.name.clone(),
+                    error,
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?,
+    };
+    let results = publish::publish_all(&ctx.broker.js, shape, prepared.into_iter().map(Ok).collect()).await;
     results
         .into_iter()
         .enumerate()

@@ -73,6 +73,14 @@ async fn stored(js: &jetstream::Context, stream: &str) -> Vec<(String, String, V
     all
 }
 
+/// Outputs the target streams dropped as duplicates, by the metric (`None`
+/// before the first).
+async fn duplicate_outputs(app: &TestApp) -> Option<f64> {
+    let text = app.http.get(app.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    let line = text.lines().find(|l| l.starts_with("keygate_outputs_published_total") && l.contains("duplicate"))?;
+    line.rsplit(' ').next()?.parse().ok()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn outputs_are_stored_in_key_order_with_ids_a_replay_publishes_again_as_duplicates() {
     let app = TestApp::start().await;
@@ -121,15 +129,8 @@ async fn outputs_are_stored_in_key_order_with_ids_a_replay_publishes_again_as_du
     let (status, seek) = app.post("/v1/streams/ORDERS/groups/g/seek", json!({"to": {"seq": 1}})).await;
     assert_eq!(status, 200, "{seek}");
     eventually(WAIT, || async { (receiver.requests().iter().filter(|r| r.ok()).count() >= 60).then_some(()) }).await;
-    let duplicates = eventually(WAIT, || async {
-        let text = app.http.get(app.url("/metrics")).send().await.unwrap().text().await.unwrap();
-        let line =
-            text.lines().find(|l| l.starts_with("keygate_outputs_published_total") && l.contains("duplicate"))?;
-        let count: f64 = line.rsplit(' ').next()?.parse().ok()?;
-        (count >= 30.0).then_some(count)
-    })
-    .await;
-    assert_eq!(duplicates, 30.0);
+    eventually(WAIT, || async { (duplicate_outputs(&app).await? >= 30.0).then_some(()) }).await;
+    assert_eq!(duplicate_outputs(&app).await, Some(30.0));
     assert_eq!(stored(&app.js, "PAYMENTS").await.len(), 30, "nothing stored twice");
     assert_eq!(app.metric(crate::support::ACKS_WITHOUT_VERDICT).await, 0.0);
 }
@@ -168,13 +169,7 @@ async fn one_answers_outputs_to_an_in_memory_stream_go_as_one_atomic_batch() {
     }
     let (status, seek) = app.post("/v1/streams/ORDERS/groups/g/seek", json!({"to": {"seq": 1}})).await;
     assert_eq!(status, 200, "{seek}");
-    eventually(WAIT, || async {
-        let text = app.http.get(app.url("/metrics")).send().await.unwrap().text().await.unwrap();
-        let line =
-            text.lines().find(|l| l.starts_with("keygate_outputs_published_total") && l.contains("duplicate"))?;
-        (line.rsplit(' ').next()?.parse::<f64>().ok()? == 240.0).then_some(())
-    })
-    .await;
+    eventually(WAIT, || async { (duplicate_outputs(&app).await? == 240.0).then_some(()) }).await;
     assert_eq!(stored(&app.js, "AUDIT").await.len(), 240, "nothing stored twice");
 }
 
