@@ -5,6 +5,8 @@ use std::sync::Arc;
 
 use async_nats::jetstream;
 
+use super::custody::Custody;
+
 /// A message delivered to this instance.
 #[derive(Debug)]
 pub struct Delivered {
@@ -16,6 +18,9 @@ pub struct Delivered {
     pub key: Option<String>,
     pub origin_stream: String,
     pub origin_seq: u64,
+    /// Whether this instance may still settle it (group members only:
+    /// see `custody.rs`).
+    pub custody: Option<Custody>,
 }
 
 /// A delivered message, shared by its lane and its delivery.
@@ -46,6 +51,7 @@ impl Delivered {
         reply: async_nats::Message,
         stream: &str,
         partitioning: Partitioning,
+        custody: Option<Custody>,
         key_of: impl FnOnce(&str) -> Option<String>,
     ) -> Option<(Self, u64)> {
         let message = jetstream::Message { message: reply, context: js.clone() };
@@ -61,7 +67,8 @@ impl Delivered {
         };
         let (origin_stream, origin_seq) = origin_of(&message, stream, stream_seq);
         let key = key_of(&subject);
-        let delivered = Self { message, partition, stream_seq, attempt, subject, key, origin_stream, origin_seq };
+        let delivered =
+            Self { message, partition, stream_seq, attempt, subject, key, origin_stream, origin_seq, custody };
         Some((delivered, consumer_seq))
     }
 }

@@ -5,6 +5,7 @@
 //! `crate::dead_letters`.
 
 pub mod batch_verdict;
+pub mod custody;
 pub mod frames;
 pub mod message;
 pub mod outputs;

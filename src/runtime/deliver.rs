@@ -44,6 +44,12 @@ pub enum RemoveError {
     /// letter): nothing was sent, and the message will be redelivered.
     #[error("no verdict")]
     NoVerdict,
+    /// This instance's custody of the message lapsed (a NATS reconnect or
+    /// late keep-alives since it arrived): the server may have given it to
+    /// another instance, whose copy this settlement would settle too.
+    /// Nothing was sent (delivery/custody.rs).
+    #[error("custody of the message lapsed")]
+    CustodyLapsed,
     /// The ack or term could not be sent.
     #[error("sending the ack: {0}")]
     Ack(#[source] async_nats::Error),
@@ -51,7 +57,8 @@ pub enum RemoveError {
 
 /// Acks or terminates `held` for the reason given; refuses (sends nothing,
 /// counts `keygate_acks_without_verdict_total`) when the reason does not
-/// hold, so the message is redelivered rather than lost.
+/// hold, so the message is redelivered rather than lost, and when this
+/// instance's custody of it lapsed.
 pub async fn remove(held: &Delivered, because: Because<'_>) -> Result<Settlement, RemoveError> {
     let how = match because {
         Because::EndpointAcked(judgement) if judgement.verdict == Verdict::Ack => Settlement::Acked,
@@ -66,6 +73,9 @@ pub async fn remove(held: &Delivered, because: Because<'_>) -> Result<Settlement
             return Err(RemoveError::NoVerdict);
         }
     };
+    if held.custody.as_ref().is_some_and(|custody| !custody.held()) {
+        return Err(RemoveError::CustodyLapsed);
+    }
     let kind = match how {
         Settlement::Acked => AckKind::Ack,
         Settlement::Terminated => AckKind::Term,
@@ -73,6 +83,10 @@ pub async fn remove(held: &Delivered, because: Because<'_>) -> Result<Settlement
     held.message.ack_with(kind).await.map_err(RemoveError::Ack)?;
     Ok(how)
 }
+
+/// Why an endpoint's ack became a retry (delivery/custody.rs).
+const CUSTODY_LAPSED: &str =
+    "acked by the endpoint, but keygate's hold on the message lapsed (a NATS reconnect or late keep-alives), so it is delivered again";
 
 /// What a delivery future reports.
 pub struct Outcome {
@@ -215,15 +229,19 @@ async fn apply(
         })
     };
     let settled = match judgement.verdict {
-        Verdict::Ack => {
+        Verdict::Ack => match remove(held, Because::EndpointAcked(judgement)).await {
+            // Given again at once, and delivered again: a duplicate.
+            Err(RemoveError::CustodyLapsed) => nak(about, held, Duration::ZERO, CUSTODY_LAPSED, events).await,
             // A lost ack means a redelivery, which the lane answers from its
             // memory of this settlement, or delivers again (a duplicate).
-            if let Err(e) = remove(held, Because::EndpointAcked(judgement)).await {
-                tracing::debug!(error = %e, "ack not sent");
+            sent => {
+                if let Err(e) = sent {
+                    tracing::debug!(error = %e, "ack not sent");
+                }
+                events.push(Event::message_acked(about, held.at(), &judgement.reason));
+                Settled::Done(Settlement::Acked)
             }
-            events.push(Event::message_acked(about, held.at(), &judgement.reason));
-            Settled::Done(Settlement::Acked)
-        }
+        },
         Verdict::Nak { .. } | Verdict::Progress if held.attempt >= endpoint.max_attempts() => {
             let reason = format!("gave up after {} attempts: {}", held.attempt, judgement.reason);
             terminate(ctx, who, held, &reason, retry(None), events).await

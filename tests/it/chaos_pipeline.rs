@@ -12,14 +12,10 @@
 //!
 //! Not in `scripts/test`: CI's suite is at its time budget, and this run
 //! adds over a minute. It found the handover barrier falling too early
-//! (src/runtime/driver/pinning.rs: a holder that counts more than the
-//! consumer's `num_ack_pending`); the plain chaos run now meets the same
-//! conditions in the suite (a 20 ms receiver and 503s with Retry-After).
-//! It still reorders a key in some runs (each order stored exactly once):
-//! a handover where what the new holder counts matches the consumer's
-//! count while a message is still out elsewhere is not ruled out yet. And
-//! some runs leave keys blocked on a NAK'd head the server never delivers
-//! again (the drain limit then fails the run).
+//! (late acks of copies redelivered elsewhere: delivery/custody.rs and
+//! docs/architecture.md, "Why lanes, the handover barrier and fencing
+//! tokens"); the plain chaos run meets the same conditions in the suite (a
+//! 20 ms receiver and 503s with Retry-After).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -133,6 +133,7 @@ impl Driver {
             reply,
             self.shared.who.stream.as_str(),
             partitioning,
+            self.custody.as_ref().map(|c| c.receive()),
             |subject| keys.and_then(|k| k.key(subject)),
         );
         let Some((delivered, consumer_seq)) = pulled else { return };

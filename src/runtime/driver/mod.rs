@@ -22,7 +22,7 @@ mod watches;
 mod worker;
 
 use std::collections::BTreeSet;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -46,6 +46,7 @@ use super::window_share::{WindowShare, RENEW_EVERY};
 use super::Runtime;
 use crate::cluster::balance::ROOM_RECHECK;
 use crate::consumers::Shuffle;
+use crate::delivery::custody::CustodyClock;
 use crate::delivery::message::{Held, Partitioning};
 use crate::events::Event;
 use crate::groups::{GroupConfig, GroupSettings, Ordering as GroupOrdering};
@@ -175,6 +176,12 @@ pub struct Driver {
     next_seek: Instant,
     /// When `check_pin` last ran.
     pin_checked: Instant,
+    /// Members only: whether what this run holds may still be settled
+    /// (delivery/custody.rs). A subscriber keeps no order, so a late ack of
+    /// a copy given to another instance costs it nothing.
+    custody: Option<Arc<CustodyClock>>,
+    /// A round of keep-alives is running.
+    keeping_alive: Arc<AtomicBool>,
 }
 
 impl Driver {
@@ -208,6 +215,8 @@ impl Driver {
             }
             Dispatch::Concurrent(_) | Dispatch::Lanes(_) => None,
         };
+        let custody = matches!(joined.dispatch, Dispatch::Lanes(_))
+            .then(|| CustodyClock::new(ctx.broker.client.clone(), ctx.broker.connections.clone(), joined.ack_wait));
         let metrics = Arc::new(DeliveryMetrics::of(&who));
         let batching = endpoint.batch().map(|spec| Arc::new(Batching::new(spec, lanes.max_in_flight())));
         let shared = LaneShared {
@@ -242,6 +251,8 @@ impl Driver {
             seek_every: PIN_CHECK,
             next_seek: Instant::now(),
             pin_checked: Instant::now(),
+            custody,
+            keeping_alive: Arc::default(),
         })
     }
 
@@ -349,7 +360,7 @@ impl Driver {
                     let now = Instant::now();
                     if progress_at.is_some_and(|at| at <= now) {
                         progress_at = Some(now + progress_every);
-                        Box::pin(self.progress()).await;
+                        self.progress();
                     }
                     if pin_check_at <= now {
                         Box::pin(self.check_pin()).await;
@@ -440,40 +451,39 @@ impl Driver {
 
     /// Keeps held and in-flight messages from timing out (ack wait), and
     /// stops waiting for NAK'd heads that will never come back (removed by
-    /// the stream's limits or a purge).
-    async fn progress(&mut self) {
+    /// the stream's limits or a purge). The round runs beside the loop: a
+    /// thousand keep-alives and a lookup per awaited head, awaited here,
+    /// held up the pulls that renew the pin (its TTL is the ack wait), so
+    /// under load the server moved the pin while this instance delivered.
+    /// A round still running when the next is due is not doubled.
+    fn progress(&mut self) {
+        if let Some(s) = &mut self.shuffling {
+            s.window.refresh();
+        }
+        if self.keeping_alive.swap(true, Ordering::AcqRel) {
+            return;
+        }
         let (messages, awaited): (Vec<Held>, Vec<(LaneId, u64)>) = {
             let state = self.shared.lock();
             let held = state.lanes.held_messages().chain(state.lanes.in_flight_messages()).cloned().collect();
             (held, state.lanes.awaited_heads())
         };
-        for held in messages {
-            let _ = held.message.ack_with(AckKind::Progress).await;
-        }
-        if let Some(s) = &mut self.shuffling {
-            s.window.refresh();
-        }
-        if awaited.is_empty() || !self.pin.is_pinned() {
-            return;
-        }
-        let Ok(handle) = self.ctx().broker.js.get_stream_no_info(&self.joined.stream_name).await else { return };
-        for (lane, seq) in awaited {
-            // Only the stream leader's definite answer (error code 10037, "no
-            // message found") says it is gone; a timeout, no responders or
-            // an election says nothing, and the lane keeps waiting.
-            let gone = matches!(handle.get_raw_message(seq).await,
-                Err(e) if e.kind() == async_nats::jetstream::stream::RawMessageErrorKind::NoMessageFound);
-            if !gone {
-                continue;
+        let awaited = if self.pin.is_pinned() { awaited } else { Vec::new() };
+        let (shared, custody, running) = (self.shared.clone(), self.custody.clone(), self.keeping_alive.clone());
+        let stream = self.joined.stream_name.clone();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            for held in messages {
+                let _ = held.message.ack_with(AckKind::Progress).await;
             }
-            {
-                let mut state = self.shared.lock();
-                state.lanes.skip(&lane, seq, None);
-                state.blocked_reported.remove(&lane);
+            // Custody counts from when this round began, and only once all
+            // of it was sent (delivery/custody.rs).
+            if let Some(custody) = custody {
+                custody.kept_alive(started);
             }
-            let why = "the awaited message is no longer in the stream (limits or purge)";
-            self.ctx().events.emit(unblocked_event(self.ctx().about(self.who()), &lane, seq, Some(why)));
-        }
+            forget_vanished_heads(&shared, &stream, awaited).await;
+            running.store(false, Ordering::Release);
+        });
     }
 
     /// Stop pulling and dispatching; let deliveries in flight finish within
@@ -526,6 +536,31 @@ impl Driver {
             s.share.leave().await;
         }
         let _ = tokio::time::timeout(Duration::from_secs(2), self.ctx().broker.client.flush()).await;
+    }
+}
+
+/// Stops waiting for NAK'd heads the stream no longer has. Only the stream
+/// leader's definite answer (error code 10037, "no message found") says one
+/// is gone; a timeout, no responders or an election says nothing, and the
+/// lane keeps waiting.
+async fn forget_vanished_heads(shared: &LaneShared, stream: &str, awaited: Vec<(LaneId, u64)>) {
+    if awaited.is_empty() {
+        return;
+    }
+    let Ok(handle) = shared.ctx.broker.js.get_stream_no_info(stream).await else { return };
+    for (lane, seq) in awaited {
+        let gone = matches!(handle.get_raw_message(seq).await,
+            Err(e) if e.kind() == async_nats::jetstream::stream::RawMessageErrorKind::NoMessageFound);
+        if !gone {
+            continue;
+        }
+        {
+            let mut state = shared.lock();
+            state.lanes.skip(&lane, seq, None);
+            state.blocked_reported.remove(&lane);
+        }
+        let why = "the awaited message is no longer in the stream (limits or purge)";
+        shared.ctx.events.emit(unblocked_event(shared.ctx.about(&shared.who), &lane, seq, Some(why)));
     }
 }
 

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::Driver;
 use crate::cluster::balance::STEP_DOWN_HOLD;
+use crate::delivery::message::Held;
 use crate::runtime::fencing::next_token;
 use crate::runtime::pin::{
     announce_pinned, announce_standby, announce_unpinned, count_pin_change, pinned_here, pinned_to_someone,
@@ -27,6 +28,16 @@ impl Driver {
     }
 
     pub(super) async fn gain_pin(&mut self, pin: String) {
+        if self.pin.is_pinned() {
+            // Pinned again under a new id without hearing the old pin end (a
+            // restarted server forgets pins): another instance may have held
+            // it meanwhile and settled what this one still holds or awaits.
+            // What is held goes back (the server redelivers, here, only what
+            // is still pending) and NAK'd heads are no longer awaited; the
+            // barrier below waits for whatever of them is still pending.
+            let released = self.shared.lock().lanes.release_held();
+            hand_back(released);
+        }
         self.pin.on_message_pin(&pin);
         self.last_reply = Instant::now();
         // Handover barrier: nothing goes out until every ack-pending message
@@ -69,10 +80,6 @@ impl Driver {
             tracing::debug!(error = %e, "stepping down for a rebalance failed");
             self.hold_pulls_until = None;
             return;
-        }
-        let held = self.shared.lock().lanes.release_held();
-        for held in held {
-            let _ = held.message.ack_with(async_nats::jetstream::AckKind::Nak(None)).await;
         }
         self.lose_pin(why);
     }
@@ -130,13 +137,15 @@ impl Driver {
         self.seek_every = super::PIN_CHECK;
         self.next_seek = Instant::now();
         // Held and NAK'd messages now belong to the next holder; deliveries
-        // in flight finish (and stay kept alive) so its barrier waits for them.
-        {
+        // in flight finish (and stay kept alive) so its barrier waits for
+        // them. What was held goes back at once rather than at its ack wait.
+        let released = {
             let mut state = self.shared.lock();
             self.shared.serving.store(false, Ordering::Relaxed);
-            state.lanes.release_held();
             state.blocked_reported.clear();
-        }
+            state.lanes.release_held()
+        };
+        hand_back(released);
         count_pin_change(self.who(), "lost");
         self.report_pin();
         if self.balanced {
@@ -233,12 +242,9 @@ impl Driver {
                 // A consumer leader whose state lags counts too little
                 // until its deliveries catch up (below): no hand-back then.
                 if info.num_ack_pending < parked && info.delivered.stream_sequence >= highest {
-                    let released = self.shared.lock().lanes.release_held();
                     tracing::debug!(member = %self.who().member, ack_pending = info.num_ack_pending, ours, parked,
                         "holding more than the consumer counts: handed back for redelivery");
-                    for held in released {
-                        let _ = held.message.ack_with(async_nats::jetstream::AckKind::Nak(None)).await;
-                    }
+                    hand_back(self.shared.lock().lanes.release_held());
                 }
                 return;
             }
@@ -260,6 +266,10 @@ impl Driver {
                 self.shared.lock().lanes.set_barrier(false);
                 tracing::debug!(member = %self.who().member, pin = self.pin.id(), ack_pending = info.num_ack_pending, ours,
                     delivered = info.delivered.stream_sequence, highest, "handover barrier down");
+            } else {
+                tracing::debug!(member = %self.who().member, pin = self.pin.id(), ack_pending = info.num_ack_pending, ours,
+                    parked, delivered = info.delivered.stream_sequence, highest,
+                    pinned_here = pinned_here(&info, self.pin.id()), "handover barrier stays up");
             }
             return;
         }
@@ -270,4 +280,18 @@ impl Driver {
             announce_standby(self.ctx(), self.who(), &self.shared.endpoint, self.owned_partitions());
         }
     }
+}
+
+/// Gives messages received but not delivered back to the server (NAK, no
+/// delay), which redelivers to the pin holder whatever of them is still
+/// pending. Sent beside the loop: there can be a thousand.
+fn hand_back(released: Vec<Held>) {
+    if released.is_empty() {
+        return;
+    }
+    tokio::spawn(async move {
+        for held in released {
+            let _ = held.message.ack_with(async_nats::jetstream::AckKind::Nak(None)).await;
+        }
+    });
 }

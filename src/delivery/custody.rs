@@ -1,0 +1,137 @@
+//! Custody: whether the instance that received a message may still settle
+//! it (ack or terminate) without settling a copy the server has since
+//! given to another instance.
+//!
+//! The server settles by stream sequence alone: a late ack from an
+//! instance whose copy was redelivered elsewhere settles the other copy
+//! too. The new holder then counts a message the consumer no longer counts,
+//! and with one such entry balanced by a message still out elsewhere its
+//! handover barrier falls too early (docs/architecture.md, "Why lanes, the
+//! handover barrier and fencing tokens"). The server redelivers a message
+//! while its holder still works on it only when the ack wait passed
+//! without word from the holder: across a NATS reconnect (a restarted
+//! server forgets pins and the keep-alives it had not stored), or when
+//! keep-alives went out late (a starved process). Custody holds while
+//! neither happened since the message arrived. Without it a verdict that
+//! would settle the message NAKs it instead: a duplicate delivery with the
+//! same `webhook-id`, never a reorder.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+
+/// One run's view of what custody depends on: its NATS connection (how
+/// many connections were made, whether one is up) and when it last sent
+/// keep-alives for everything it holds.
+pub struct CustodyClock {
+    client: async_nats::Client,
+    connections: watch::Receiver<u64>,
+    ack_wait: Duration,
+    origin: Instant,
+    /// When the last round of keep-alives sent in full began, in
+    /// milliseconds after `origin`.
+    kept_alive_ms: AtomicU64,
+}
+
+impl CustodyClock {
+    /// `connections` counts the connections made (one more at every reconnect).
+    pub fn new(client: async_nats::Client, connections: watch::Receiver<u64>, ack_wait: Duration) -> Arc<Self> {
+        Arc::new(Self { client, connections, ack_wait, origin: Instant::now(), kept_alive_ms: AtomicU64::new(0) })
+    }
+
+    /// A round of keep-alives for every message held, begun at `started`,
+    /// was sent in full.
+    pub fn kept_alive(&self, started: Instant) {
+        let ms = u64::try_from(started.saturating_duration_since(self.origin).as_millis()).unwrap_or(u64::MAX);
+        self.kept_alive_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// Custody of a message arriving now.
+    pub fn receive(self: &Arc<Self>) -> Custody {
+        Custody { clock: self.clone(), connection: *self.connections.borrow(), received: Instant::now() }
+    }
+}
+
+/// Custody of one message (see the module's documentation).
+pub struct Custody {
+    clock: Arc<CustodyClock>,
+    /// The connection it arrived on.
+    connection: u64,
+    received: Instant,
+}
+
+impl Custody {
+    /// Whether the message may be settled now.
+    pub fn held(&self) -> bool {
+        let clock = &self.clock;
+        let kept_alive = clock.origin + Duration::from_millis(clock.kept_alive_ms.load(Ordering::Relaxed));
+        unbroken(
+            Connection {
+                arrived_on: self.connection,
+                now: *clock.connections.borrow(),
+                up: clock.client.connection_state() == async_nats::connection::State::Connected,
+            },
+            self.received.max(kept_alive),
+            clock.ack_wait,
+            Instant::now(),
+        )
+    }
+}
+
+impl fmt::Debug for Custody {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Custody").field("connection", &self.connection).field("received", &self.received).finish()
+    }
+}
+
+/// The connection a message arrived on, against the one there is now.
+struct Connection {
+    arrived_on: u64,
+    now: u64,
+    up: bool,
+}
+
+/// Custody holds on the connection the message arrived on, while it is
+/// up, and well within the ack wait of the last word sent for it (its
+/// arrival or a keep-alive): a quarter of the ack wait is left for the
+/// settlement to reach the server and for the server's own clock.
+fn unbroken(connection: Connection, last_word: Instant, ack_wait: Duration, now: Instant) -> bool {
+    connection.up
+        && connection.arrived_on == connection.now
+        && now.saturating_duration_since(last_word) < ack_wait - ack_wait / 4
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{unbroken, Connection};
+    use std::time::{Duration, Instant};
+
+    const ACK_WAIT: Duration = Duration::from_secs(2);
+
+    fn on(arrived_on: u64, now: u64, up: bool) -> Connection {
+        Connection { arrived_on, now, up }
+    }
+
+    #[test]
+    fn custody_holds_on_the_same_connection_while_keep_alives_are_on_time() {
+        let word = Instant::now();
+        assert!(unbroken(on(3, 3, true), word, ACK_WAIT, word + Duration::from_millis(1400)));
+    }
+
+    #[test]
+    fn a_reconnect_or_a_connection_down_breaks_custody() {
+        let word = Instant::now();
+        assert!(!unbroken(on(3, 4, true), word, ACK_WAIT, word), "reconnected since it arrived");
+        assert!(!unbroken(on(3, 3, false), word, ACK_WAIT, word), "the connection is down now");
+    }
+
+    #[test]
+    fn keep_alives_late_by_most_of_the_ack_wait_break_custody() {
+        let word = Instant::now();
+        assert!(!unbroken(on(1, 1, true), word, ACK_WAIT, word + Duration::from_millis(1500)));
+        assert!(!unbroken(on(1, 1, true), word, ACK_WAIT, word + Duration::from_secs(60)));
+    }
+}
