@@ -24,34 +24,28 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 /// One run's view of what custody depends on: its NATS connection (how
-/// many connections were made, whether one is up) and when it last sent
-/// keep-alives for everything it holds.
+/// many connections were made, whether one is up) and the ack wait.
 pub struct CustodyClock {
     client: async_nats::Client,
     connections: watch::Receiver<u64>,
     ack_wait: Duration,
     origin: Instant,
-    /// When the last round of keep-alives sent in full began, in
-    /// milliseconds after `origin`.
-    kept_alive_ms: AtomicU64,
 }
 
 impl CustodyClock {
     /// `connections` counts the connections made (one more at every reconnect).
     pub fn new(client: async_nats::Client, connections: watch::Receiver<u64>, ack_wait: Duration) -> Arc<Self> {
-        Arc::new(Self { client, connections, ack_wait, origin: Instant::now(), kept_alive_ms: AtomicU64::new(0) })
-    }
-
-    /// A round of keep-alives for every message held, begun at `started`,
-    /// was sent in full.
-    pub fn kept_alive(&self, started: Instant) {
-        let ms = u64::try_from(started.saturating_duration_since(self.origin).as_millis()).unwrap_or(u64::MAX);
-        self.kept_alive_ms.store(ms, Ordering::Relaxed);
+        Arc::new(Self { client, connections, ack_wait, origin: Instant::now() })
     }
 
     /// Custody of a message arriving now.
     pub fn receive(self: &Arc<Self>) -> Custody {
-        Custody { clock: self.clone(), connection: *self.connections.borrow(), received: Instant::now() }
+        let connection = *self.connections.borrow();
+        Custody { last_word_ms: AtomicU64::new(self.since_origin(Instant::now())), clock: self.clone(), connection }
+    }
+
+    fn since_origin(&self, at: Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.origin).as_millis()).unwrap_or(u64::MAX)
     }
 }
 
@@ -60,30 +54,44 @@ pub struct Custody {
     clock: Arc<CustodyClock>,
     /// The connection it arrived on.
     connection: u64,
-    received: Instant,
+    /// When the last word for it went out (its arrival, or the start of a
+    /// keep-alive sent since), in milliseconds after the clock's origin.
+    last_word_ms: AtomicU64,
 }
 
 impl Custody {
+    /// A keep-alive for the message, begun at `sent`, went out: the
+    /// server's ack wait for it runs from no earlier than that.
+    pub fn kept_alive(&self, sent: Instant) {
+        self.last_word_ms.fetch_max(self.clock.since_origin(sent), Ordering::Relaxed);
+    }
+
     /// Whether the message may be settled now.
     pub fn held(&self) -> bool {
         let clock = &self.clock;
-        let kept_alive = clock.origin + Duration::from_millis(clock.kept_alive_ms.load(Ordering::Relaxed));
-        unbroken(
-            Connection {
-                arrived_on: self.connection,
-                now: *clock.connections.borrow(),
-                up: clock.client.connection_state() == async_nats::connection::State::Connected,
-            },
-            self.received.max(kept_alive),
-            clock.ack_wait,
-            Instant::now(),
-        )
+        let connection = Connection {
+            arrived_on: self.connection,
+            now: *clock.connections.borrow(),
+            up: clock.client.connection_state() == async_nats::connection::State::Connected,
+        };
+        let last_word = clock.origin + Duration::from_millis(self.last_word_ms.load(Ordering::Relaxed));
+        let held = unbroken(&connection, last_word, clock.ack_wait, Instant::now());
+        if !held {
+            tracing::debug!(
+                arrived_on = connection.arrived_on,
+                connection = connection.now,
+                up = connection.up,
+                silent_ms = last_word.elapsed().as_millis(),
+                "custody of a message lapsed"
+            );
+        }
+        held
     }
 }
 
 impl fmt::Debug for Custody {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Custody").field("connection", &self.connection).field("received", &self.received).finish()
+        f.debug_struct("Custody").field("connection", &self.connection).finish_non_exhaustive()
     }
 }
 
@@ -98,7 +106,7 @@ struct Connection {
 /// up, and well within the ack wait of the last word sent for it (its
 /// arrival or a keep-alive): a quarter of the ack wait is left for the
 /// settlement to reach the server and for the server's own clock.
-fn unbroken(connection: Connection, last_word: Instant, ack_wait: Duration, now: Instant) -> bool {
+fn unbroken(connection: &Connection, last_word: Instant, ack_wait: Duration, now: Instant) -> bool {
     connection.up
         && connection.arrived_on == connection.now
         && now.saturating_duration_since(last_word) < ack_wait - ack_wait / 4
@@ -118,20 +126,20 @@ mod tests {
     #[test]
     fn custody_holds_on_the_same_connection_while_keep_alives_are_on_time() {
         let word = Instant::now();
-        assert!(unbroken(on(3, 3, true), word, ACK_WAIT, word + Duration::from_millis(1400)));
+        assert!(unbroken(&on(3, 3, true), word, ACK_WAIT, word + Duration::from_millis(1400)));
     }
 
     #[test]
     fn a_reconnect_or_a_connection_down_breaks_custody() {
         let word = Instant::now();
-        assert!(!unbroken(on(3, 4, true), word, ACK_WAIT, word), "reconnected since it arrived");
-        assert!(!unbroken(on(3, 3, false), word, ACK_WAIT, word), "the connection is down now");
+        assert!(!unbroken(&on(3, 4, true), word, ACK_WAIT, word), "reconnected since it arrived");
+        assert!(!unbroken(&on(3, 3, false), word, ACK_WAIT, word), "the connection is down now");
     }
 
     #[test]
     fn keep_alives_late_by_most_of_the_ack_wait_break_custody() {
         let word = Instant::now();
-        assert!(!unbroken(on(1, 1, true), word, ACK_WAIT, word + Duration::from_millis(1500)));
-        assert!(!unbroken(on(1, 1, true), word, ACK_WAIT, word + Duration::from_secs(60)));
+        assert!(!unbroken(&on(1, 1, true), word, ACK_WAIT, word + Duration::from_millis(1500)));
+        assert!(!unbroken(&on(1, 1, true), word, ACK_WAIT, word + Duration::from_secs(60)));
     }
 }

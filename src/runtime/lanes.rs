@@ -509,6 +509,11 @@ impl<M: Clone> Lanes<M> {
         released
     }
 
+    /// The copy of `seq` in flight in lane `id`, if it is.
+    pub fn in_flight_copy(&self, id: &LaneId, seq: u64) -> Option<&M> {
+        self.lanes.get(id)?.in_flight.get(&seq)
+    }
+
     /// Messages in flight, for progress acks while the endpoint works.
     pub fn in_flight_messages(&self) -> impl Iterator<Item = &M> {
         self.lanes.values().flat_map(|l| l.in_flight.values())

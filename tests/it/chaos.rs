@@ -1,19 +1,23 @@
-//! Chaos: three keygate processes serve two webhook members of a
-//! 16-partition group and a WebSocket member of another group over the same
-//! stream, while keygate processes are SIGKILLed and restarted every few
-//! seconds and nats-server is restarted once (file store). The webhook
-//! receiver takes 20 ms and answers the first attempt of every 17th
-//! message 503 with Retry-After, so handovers meet slow deliveries and
-//! NAKs with a delay (the two together once let a handover barrier fall
-//! too early: src/runtime/driver/pinning.rs). Checked on what
-//! the receivers saw: nothing acknowledged to the publisher is lost, no key
-//! is reordered, every dead letter carries its reason; duplicates are
+//! Chaos under a pipeline (docs/pipelines.md): ORDERS → enrich webhook →
+//! PAYMENTS → charge webhook → LEDGER, each stage a key-ordered group of two
+//! members whose answers publish the next stage's message, and a WebSocket
+//! member of a partition-ordered group over ORDERS, served by three keygate
+//! processes that are SIGKILLed and restarted every few seconds while
+//! nats-server is restarted once (file store). The receiver takes 20 ms and
+//! answers the first attempt of every 17th (13th) message 503 with
+//! Retry-After, so handovers meet slow deliveries and NAKs with a delay
+//! (the two together once let a handover barrier fall too early:
+//! src/delivery/custody.rs). Checked on what the receivers and LEDGER
+//! saw: nothing acknowledged to the publisher is lost, no key is
+//! reordered by the first stage or the WebSocket member, LEDGER holds each
+//! order exactly once in each key's order, every dead letter carries its
+//! reason, and no ack went without a verdict; duplicate deliveries are
 //! counted and reported. A shorter run restarts only nats-server, three
 //! times, under one member's backlog served by two replicas.
 //!
-//! `KEYGATE_CHAOS_MESSAGES` (default 100000) sets the number of messages.
+//! `KEYGATE_CHAOS_MESSAGES` (default 100000) sets the number of orders.
 //! Run it alone: `cargo nextest run --run-ignored only chaos --no-capture`
-//! (`scripts/test` does, after the other tests).
+//! (`scripts/test` does, after the other tests, with 20,000).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -22,21 +26,22 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+use crate::pipeline_stages;
 use crate::support::receiver::{Answer, Receiver, Recorded};
 use crate::support::ws::{member_url, WsClient};
 use crate::support::{http_client, KeygateProcess, NatsServer};
 
-pub(crate) const KEYS: u64 = 1000;
+const KEYS: u64 = 1000;
 const BATCH: u64 = 500;
 /// Batches are paced so that publishing spans the chaos, not just its start.
 const BATCH_EVERY: Duration = Duration::from_millis(100);
-pub(crate) const INSTANCES: [&str; 3] = ["chaos-a", "chaos-b", "chaos-c"];
-pub(crate) const KILL_EVERY: Duration = Duration::from_secs(3);
+const INSTANCES: [&str; 3] = ["chaos-a", "chaos-b", "chaos-c"];
+const KILL_EVERY: Duration = Duration::from_secs(3);
 /// Everything published must be delivered within this time after publishing ends.
 const DRAIN_LIMIT: Duration = Duration::from_secs(150);
 
 /// The base URLs of the keygate processes now running.
-pub(crate) type Alive = Arc<Mutex<Vec<Option<String>>>>;
+type Alive = Arc<Mutex<Vec<Option<String>>>>;
 
 fn any_alive(alive: &Alive, turn: usize) -> Option<String> {
     let alive = alive.lock().unwrap();
@@ -58,30 +63,35 @@ async fn nothing_is_lost_or_reordered_while_keygate_and_nats_are_killed() {
     let http = http_client();
     let (mut processes, alive) = start_replicas(&server, &http).await;
     let base = processes[0].base.clone();
-    let put = |path: &str, body: Value| http.put(format!("{base}{path}")).json(&body).send();
-    assert_eq!(put("/v1/streams/CHAOS", json!({"subjects":["chaos.*"],"partitions":16})).await.unwrap().status(), 201);
-    // The webhook group keeps each key in order, the WebSocket group each
-    // partition: both orderings under the same faults.
-    for (group, members, ordering) in [("hooks", json!(["m1", "m2"]), "key"), ("socket", json!(["w1"]), "partition")] {
-        let body = json!({"kind":"static","partitions":16,"members":members,"ack_wait_ms":2000,"ordering":ordering});
-        let status = put(&format!("/v1/streams/CHAOS/groups/{group}"), body).await.unwrap().status();
-        assert_eq!(status, 201);
+    let put = |path: String, body: Value| http.put(format!("{base}{path}")).json(&body).send();
+    for (stream, subject) in [("ORDERS", "orders.*"), ("PAYMENTS", "payments.*"), ("LEDGER", "ledger.*")] {
+        let body = json!({"subjects":[subject],"partitions":16,"duplicate_window_ms":pipeline_stages::WINDOW_MS});
+        assert_eq!(put(format!("/v1/streams/{stream}"), body).await.unwrap().status(), 201);
     }
-    let receiver = Receiver::start(|request, earlier| match earlier == 0 && request.seq() % 17 == 0 {
-        true => Answer::status(503).header("retry-after", "1"),
-        false => Answer::ok().after(Duration::from_millis(20)),
-    })
-    .await;
-    for member in ["m1", "m2"] {
-        let hook = json!({"url": receiver.url(&format!("/{member}"))});
-        let status = put(&format!("/v1/streams/CHAOS/groups/hooks/members/{member}/webhook"), hook).await.unwrap();
-        assert_eq!(status.status(), 201);
+    // The pipeline's stages keep each key in order, the WebSocket group
+    // each partition: both orderings under the same faults.
+    let groups = [
+        ("ORDERS", "enrich", json!(["m1", "m2"]), "key"),
+        ("ORDERS", "socket", json!(["w1"]), "partition"),
+        ("PAYMENTS", "charge", json!(["m1", "m2"]), "key"),
+    ];
+    for (stream, group, members, ordering) in groups {
+        let body = json!({"kind":"static","partitions":16,"members":members,"ack_wait_ms":2000,"ordering":ordering});
+        assert_eq!(put(format!("/v1/streams/{stream}/groups/{group}"), body).await.unwrap().status(), 201);
+    }
+    let receiver = Receiver::start(pipeline_stages::answer_after(Duration::from_millis(20))).await;
+    for (stream, group, output) in [("ORDERS", "enrich", "PAYMENTS"), ("PAYMENTS", "charge", "LEDGER")] {
+        for member in ["m1", "m2"] {
+            let hook = pipeline_stages::registration(receiver.url(&format!("/{group}/{member}")), output);
+            let answer = put(format!("/v1/streams/{stream}/groups/{group}/members/{member}/webhook"), hook).await;
+            assert_eq!(answer.unwrap().status(), 201);
+        }
     }
 
     let stop = Arc::new(AtomicBool::new(false));
     let arrivals: Arc<Mutex<Vec<Arrival>>> = Arc::default();
     let socket_member = tokio::spawn(socket_member(alive.clone(), arrivals.clone(), stop.clone()));
-    let publisher = tokio::spawn(publish_all(http.clone(), alive.clone(), "CHAOS", messages));
+    let publisher = tokio::spawn(publish_all(http.clone(), alive.clone(), "ORDERS", messages));
 
     let Chaos { kills, nats_restarted, mut acks_without_verdict } =
         chaos_until(&mut processes, &mut server, &alive, &http, || publisher.is_finished()).await;
@@ -89,28 +99,43 @@ async fn nothing_is_lost_or_reordered_while_keygate_and_nats_are_killed() {
     let published_at = Instant::now();
     assert_eq!(published.len() as u64, messages);
 
-    // Drain: every published message delivered (or dead-lettered) to both groups.
+    // Drain: every order acked by the first stage (or dead-lettered),
+    // delivered to the WebSocket member, and in LEDGER.
+    let nats = async_nats::connect(server.url()).await.unwrap();
+    let js = async_nats::jetstream::new(nats);
     let all: HashSet<u64> = published.iter().map(|(_, s)| *s).collect();
     let deadline = Instant::now() + DRAIN_LIMIT;
     let (requests, dead) = loop {
         let dead = dead_letters(&server.url()).await;
         let requests = receiver.requests();
-        let hooked: HashSet<u64> = requests.iter().filter(|r| r.ok()).map(Recorded::seq).collect();
+        let enriched: HashSet<u64> =
+            requests.iter().filter(|r| r.ok() && r.path.starts_with("/enrich")).map(Recorded::seq).collect();
         let socketed: HashSet<u64> = arrivals.lock().unwrap().iter().map(|a| a.seq).collect();
-        let hook_missing = all.iter().filter(|s| !hooked.contains(s) && !dead.contains_key(&("hooks", **s))).count();
+        let enrich_missing =
+            all.iter().filter(|s| !enriched.contains(s) && !dead.contains_key(&("enrich", **s))).count();
         let socket_missing =
             all.iter().filter(|s| !socketed.contains(s) && !dead.contains_key(&("socket", **s))).count();
-        if hook_missing == 0 && socket_missing == 0 {
+        let ledger = js.get_stream("LEDGER").await.unwrap().info().await.unwrap().state.messages;
+        if enrich_missing == 0 && socket_missing == 0 && ledger >= messages {
             break (requests, dead);
         }
-        assert!(
-            Instant::now() < deadline,
-            "lost after {DRAIN_LIMIT:?}: {hook_missing} never acked by the webhook group, \
-             {socket_missing} never delivered to the WebSocket member"
-        );
+        if Instant::now() >= deadline {
+            for group in ["ORDERS/groups/enrich", "PAYMENTS/groups/charge"] {
+                let view = http.get(format!("{base}/v1/streams/{group}")).send().await.map(|a| a.text());
+                if let Ok(view) = view {
+                    println!("{group}: {}", view.await.unwrap_or_default());
+                }
+            }
+            panic!(
+                "lost after {DRAIN_LIMIT:?}: {enrich_missing} never acked by the first stage, {socket_missing} \
+                 never delivered to the WebSocket member, LEDGER holds {ledger} of {messages}"
+            );
+        }
         tokio::time::sleep(Duration::from_millis(500)).await;
     };
     let drained = published_at.elapsed();
+    // Late duplicates would land now.
+    tokio::time::sleep(Duration::from_secs(2)).await;
     for p in &processes {
         acks_without_verdict += p.acks_without_verdict(&http).await;
     }
@@ -127,35 +152,40 @@ async fn nothing_is_lost_or_reordered_while_keygate_and_nats_are_killed() {
     for seqs in by_key.values_mut() {
         seqs.sort_unstable();
     }
-    let hook_skipped: HashSet<u64> = dead.keys().filter(|(g, _)| *g == "hooks").map(|(_, s)| *s).collect();
-    let socket_skipped: HashSet<u64> = dead.keys().filter(|(g, _)| *g == "socket").map(|(_, s)| *s).collect();
-    check_webhook_order(&requests, &by_key, &hook_skipped);
+    let skipped = |group: &str| -> HashSet<u64> { dead.keys().filter(|(g, _)| *g == group).map(|(_, s)| *s).collect() };
+    let (enrich_skipped, socket_skipped) = (skipped("enrich"), skipped("socket"));
+    let enrich_requests: Vec<Recorded> = requests.iter().filter(|r| r.path.starts_with("/enrich")).cloned().collect();
+    check_webhook_order(&enrich_requests, &by_key, &enrich_skipped);
     check_socket_order(&arrivals, &by_key, &socket_skipped);
     for ((group, seq), reason) in &dead {
         assert!(!reason.is_empty(), "dead letter of {group} seq {seq} without a reason");
     }
+    // The pipeline's end: each order once in LEDGER, in its key's order.
+    let ledger = pipeline_stages::check_ledger(&js, &by_key).await;
 
     let mut reasons: BTreeMap<&str, usize> = BTreeMap::new();
     for reason in dead.values() {
         *reasons.entry(reason.as_str()).or_default() += 1;
     }
-    let hook_deliveries = requests.iter().filter(|r| r.ok()).count();
-    let hook_retried = requests.iter().filter(|r| r.status == 503).count();
+    let enrich_acked = enrich_requests.iter().filter(|r| r.ok()).count();
+    let retried = requests.iter().filter(|r| r.status == 503).count();
     let socket_deliveries = arrivals.len();
     println!("chaos summary");
     println!("| measure | result |");
     println!("|---|---|");
-    println!("| messages published (2xx), keys | {messages}, {KEYS} |");
+    println!("| orders published (2xx), keys | {messages}, {KEYS} |");
     println!("| keygate processes SIGKILLed and restarted | {kills} (every {KILL_EVERY:?}) |");
     println!("| nats-server restarts (file store) | {} |", u8::from(nats_restarted));
     println!("| lost | 0 |");
-    println!("| orderings | webhook group by key, WebSocket member by partition |");
+    println!("| orderings | pipeline stages by key, WebSocket member by partition |");
     println!("| per-key reorders | 0 |");
     println!("| acks without a verdict | 0 |");
     println!(
-        "| webhook group: deliveries acked, duplicates, answered 503 first | {hook_deliveries}, {}, {hook_retried} |",
-        hook_deliveries - (messages as usize - hook_skipped.len())
+        "| first stage (enrich): deliveries acked, duplicates | {enrich_acked}, {} |",
+        enrich_acked - (messages as usize - enrich_skipped.len())
     );
+    println!("| webhook calls of both stages, answered 503 with Retry-After first | {}, {retried} |", requests.len());
+    println!("| LEDGER messages, missing orders, duplicates | {ledger}, 0, 0 |");
     println!(
         "| WebSocket member: deliveries, duplicates | {socket_deliveries}, {} |",
         socket_deliveries - (messages as usize - socket_skipped.len())
@@ -165,7 +195,7 @@ async fn nothing_is_lost_or_reordered_while_keygate_and_nats_are_killed() {
 }
 
 /// The keygate processes of `INSTANCES` on `server`, ready, and who is up.
-pub(crate) async fn start_replicas(server: &NatsServer, http: &reqwest::Client) -> (Vec<KeygateProcess>, Alive) {
+async fn start_replicas(server: &NatsServer, http: &reqwest::Client) -> (Vec<KeygateProcess>, Alive) {
     let processes: Vec<KeygateProcess> = INSTANCES.iter().map(|id| KeygateProcess::start(&server.url(), id)).collect();
     for p in &processes {
         p.wait_ready(http).await;
@@ -175,19 +205,19 @@ pub(crate) async fn start_replicas(server: &NatsServer, http: &reqwest::Client) 
 }
 
 /// What [`chaos_until`] did.
-pub(crate) struct Chaos {
-    pub kills: usize,
-    pub nats_restarted: bool,
+struct Chaos {
+    kills: usize,
+    nats_restarted: bool,
     /// `keygate_acks_without_verdict_total` of the processes killed, read
     /// just before each kill.
-    pub acks_without_verdict: f64,
+    acks_without_verdict: f64,
 }
 
 /// Chaos until `done` (and for at least six kills or a minute): a keygate
 /// of `processes` SIGKILLed every few seconds and restarted a second
 /// later, nats-server restarted once, at the third kill. `alive` names the
 /// processes up at each moment.
-pub(crate) async fn chaos_until(
+async fn chaos_until(
     processes: &mut [KeygateProcess],
     server: &mut NatsServer,
     alive: &Alive,
@@ -219,12 +249,7 @@ pub(crate) async fn chaos_until(
 /// message ids, to whichever keygate is up; a batch that fails is sent
 /// again (the ids make the retry store nothing twice). Returns (key, seq)
 /// of each message.
-pub(crate) async fn publish_all(
-    http: reqwest::Client,
-    alive: Alive,
-    stream: &'static str,
-    messages: u64,
-) -> Vec<(String, u64)> {
+async fn publish_all(http: reqwest::Client, alive: Alive, stream: &'static str, messages: u64) -> Vec<(String, u64)> {
     let mut published = Vec::with_capacity(messages as usize);
     let mut turn = 0;
     let mut n = 0;
@@ -278,7 +303,7 @@ async fn socket_member(alive: Alive, arrivals: Arc<Mutex<Vec<Arrival>>>, stop: A
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
         };
-        let url = member_url(&base, "CHAOS", "socket", "w1", "");
+        let url = member_url(&base, "ORDERS", "socket", "w1", "");
         let Ok(Ok((socket, _))) =
             tokio::time::timeout(Duration::from_secs(5), tokio_tungstenite::connect_async(url)).await
         else {
@@ -397,6 +422,8 @@ async fn dead_letters(nats_url: &str) -> HashMap<(&'static str, u64), String> {
         let header = |name: &str| message.headers.get(name).map(|v| v.as_str().to_owned()).unwrap_or_default();
         let group = match header("keygate-group").as_str() {
             "hooks" => "hooks",
+            "enrich" => "enrich",
+            "charge" => "charge",
             "socket" => "socket",
             other => panic!("a dead letter of an unknown group {other:?}"),
         };

@@ -3,7 +3,6 @@
 mod auth;
 mod batch_delivery;
 mod chaos;
-mod chaos_pipeline;
 mod cli;
 mod cloudevents;
 mod cluster;
@@ -22,6 +21,7 @@ mod node_loss;
 mod openapi;
 mod outbound_auth;
 mod pauses;
+mod pipeline_stages;
 mod pipelines;
 mod protection;
 mod publish;

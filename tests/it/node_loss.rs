@@ -7,9 +7,16 @@
 //! leader's node SIGKILLed and restarted, keygate B SIGKILLed and
 //! restarted, a follower node SIGKILLed and restarted.
 //!
+//! The group is the first stage of a pipeline (docs/pipelines.md): its
+//! members' answers publish each message on to an R3 PAYMENTS stream, whose
+//! group's answers publish it to an R3 LEDGER; the first attempt of every
+//! 17th (13th) message is answered 503 with Retry-After.
+//!
 //! Checked from the receiver's side: every message answered 2xx to the
 //! publisher reached its endpoint with a 2xx, first deliveries of each key
-//! come in stream order, and no keygate acked anything without a verdict.
+//! come in stream order, and no keygate acked anything without a verdict;
+//! and at the pipeline's end LEDGER holds each message exactly once, in
+//! each key's order.
 //! The loss showed in about 2 runs of 5, so the test command runs it 5
 //! times; `KEYGATE_NODE_LOSS_RUNS` sets the count (20 by hand).
 //! Run it alone: `cargo nextest run --run-ignored only node_loss --no-capture`.
@@ -21,6 +28,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+use crate::pipeline_stages::{self, LEDGER, PAYMENTS};
 use crate::support::cluster::NatsCluster;
 use crate::support::receiver::{Answer, Receiver, Recorded};
 use crate::support::{eventually, http_client, KeygateProcess};
@@ -215,12 +223,22 @@ async fn one_run(run: usize) {
     first
         .put_until_stored(&http, "/v1/streams/ORD", &json!({"subjects":["ord.*"],"partitions":PARTITIONS,"replicas":3}))
         .await;
-    let group = json!({"kind":"static","partitions":PARTITIONS,"members":["m1","m2"],"ack_wait_ms":2000});
-    first.put_until_stored(&http, "/v1/streams/ORD/groups/g", &group).await;
-    let receiver = Receiver::start(|_, _| Answer::ok()).await;
-    for member in ["m1", "m2"] {
-        let hook = json!({"url": receiver.url(&format!("/{member}"))});
-        first.put_until_stored(&http, &format!("/v1/streams/ORD/groups/g/members/{member}/webhook"), &hook).await;
+    for (stream, subject) in [(PAYMENTS, "payments.*"), (LEDGER, "ledger.*")] {
+        let body = json!({"subjects":[subject],"partitions":PARTITIONS,"replicas":3,
+            "duplicate_window_ms":pipeline_stages::WINDOW_MS});
+        first.put_until_stored(&http, &format!("/v1/streams/{stream}"), &body).await;
+    }
+    // The group on ORD is the first stage of a pipeline (docs/pipelines.md):
+    // its answers publish to PAYMENTS, whose group's answers publish to LEDGER.
+    let receiver = Receiver::start(pipeline_stages::answer_after(Duration::ZERO)).await;
+    for (stream, group, output) in [("ORD", "enrich", PAYMENTS), (PAYMENTS, "charge", LEDGER)] {
+        let body = json!({"kind":"static","partitions":PARTITIONS,"members":["m1","m2"],"ack_wait_ms":2000});
+        first.put_until_stored(&http, &format!("/v1/streams/{stream}/groups/{group}"), &body).await;
+        for member in ["m1", "m2"] {
+            let hook = pipeline_stages::registration(receiver.url(&format!("/{group}/{member}")), output);
+            let path = format!("/v1/streams/{stream}/groups/{group}/members/{member}/webhook");
+            first.put_until_stored(&http, &path, &hook).await;
+        }
     }
 
     let alive: Alive = Arc::new(Mutex::new(replicas.iter().map(|r| Some(r.base.clone())).collect()));
@@ -269,25 +287,41 @@ async fn one_run(run: usize) {
     let published = published.lock().unwrap().clone();
 
     let drain_started = Instant::now();
+    let nats = async_nats::ConnectOptions::new().connect(urls.clone()).await.unwrap();
+    let js = async_nats::jetstream::new(nats);
     let requests = loop {
-        let requests = receiver.requests();
+        let requests: Vec<Recorded> =
+            receiver.requests().into_iter().filter(|r| r.path.starts_with("/enrich")).collect();
         let delivered: std::collections::HashSet<u64> = requests.iter().filter(|r| r.ok()).map(Recorded::seq).collect();
         let missing: BTreeMap<u64, &str> =
             published.iter().filter(|(_, s)| !delivered.contains(s)).map(|(k, s)| (*s, k.as_str())).collect();
-        if missing.is_empty() {
+        let in_ledger = match js.get_stream(LEDGER).await {
+            Ok(mut ledger) => ledger.info().await.map(|i| i.state.messages).unwrap_or(0),
+            Err(_) => 0,
+        };
+        if missing.is_empty() && in_ledger >= published.len() as u64 {
             break requests;
         }
         assert!(
             drain_started.elapsed() < DRAIN_LIMIT,
             "run {run}: {} messages answered 2xx to the publisher never reached their endpoint with a 2xx \
-             (first: {:?})\n{}",
+             (first: {:?}); LEDGER holds {in_ledger} of {}\n{}",
             missing.len(),
             missing.iter().take(10).collect::<Vec<_>>(),
+            published.len(),
             server_view(&cluster).await
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
     };
     assert_first_deliveries_in_key_order(&requests, &published);
+    let mut by_key: HashMap<String, Vec<u64>> = HashMap::new();
+    for (key, seq) in &published {
+        by_key.entry(key.clone()).or_default().push(*seq);
+    }
+    for seqs in by_key.values_mut() {
+        seqs.sort_unstable();
+    }
+    let in_ledger = pipeline_stages::check_ledger(&js, &by_key).await;
     for r in &replicas {
         breaches += r.acks_without_verdict(&http).await;
         gaps += r.metric(&http, "keygate_delivery_gaps_total").await;
@@ -296,7 +330,8 @@ async fn one_run(run: usize) {
     let duplicates = requests.iter().filter(|r| r.ok()).count() - published.len();
     println!(
         "node loss run {run}: {} messages published (2xx), all delivered in key order; {duplicates} duplicate \
-         deliveries; {gaps} delivery gaps held by the barrier; drained {:.1} s after publishing stopped",
+         deliveries; {gaps} delivery gaps held by the barrier; LEDGER holds each of {in_ledger} orders once, in key \
+         order; drained {:.1} s after publishing stopped",
         published.len(),
         drain_started.elapsed().as_secs_f64()
     );

@@ -167,11 +167,22 @@ impl Driver {
             (None, _) => LaneId { partition, key: LaneKey::Alone(stream_seq) },
         };
         let held = Arc::new(delivered);
-        let offered = self.shared.lock().lanes.offer(lane, stream_seq, held.clone());
-        if let Offered::AlreadySettled(how) = offered {
-            tokio::spawn(async move {
-                let _ = remove(&held, Because::SettledBefore(how)).await;
-            });
+        let mut state = self.shared.lock();
+        match state.lanes.offer(lane.clone(), stream_seq, held.clone()) {
+            Offered::AlreadySettled(how) => {
+                tokio::spawn(async move {
+                    let _ = remove(&held, Because::SettledBefore(how)).await;
+                });
+            }
+            // The server gave this instance again a message it is
+            // delivering: the copy out is this instance's still, and the
+            // server's ack wait for it starts over (delivery/custody.rs).
+            Offered::Duplicate => {
+                if let Some(custody) = state.lanes.in_flight_copy(&lane, stream_seq).and_then(|c| c.custody.as_ref()) {
+                    custody.kept_alive(Instant::now());
+                }
+            }
+            Offered::Held => {}
         }
     }
 }

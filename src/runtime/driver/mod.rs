@@ -465,21 +465,20 @@ impl Driver {
         }
         let (messages, awaited): (Vec<Held>, Vec<(LaneId, u64)>) = {
             let state = self.shared.lock();
-            let held = state.lanes.held_messages().chain(state.lanes.in_flight_messages()).cloned().collect();
+            let held = state.lanes.in_flight_messages().chain(state.lanes.held_messages()).cloned().collect();
             (held, state.lanes.awaited_heads())
         };
         let awaited = if self.pin.is_pinned() { awaited } else { Vec::new() };
-        let (shared, custody, running) = (self.shared.clone(), self.custody.clone(), self.keeping_alive.clone());
+        let (shared, running) = (self.shared.clone(), self.keeping_alive.clone());
         let stream = self.joined.stream_name.clone();
         tokio::spawn(async move {
-            let started = Instant::now();
             for held in messages {
-                let _ = held.message.ack_with(AckKind::Progress).await;
-            }
-            // Custody counts from when this round began, and only once all
-            // of it was sent (delivery/custody.rs).
-            if let Some(custody) = custody {
-                custody.kept_alive(started);
+                let sent = Instant::now();
+                if held.message.ack_with(AckKind::Progress).await.is_ok() {
+                    if let Some(custody) = &held.custody {
+                        custody.kept_alive(sent);
+                    }
+                }
             }
             forget_vanished_heads(&shared, &stream, awaited).await;
             running.store(false, Ordering::Release);
