@@ -79,7 +79,7 @@ async fn nothing_is_lost_or_reordered_while_keygate_and_nats_are_killed() {
         let body = json!({"kind":"static","partitions":16,"members":members,"ack_wait_ms":2000,"ordering":ordering});
         assert_eq!(put(format!("/v1/streams/{stream}/groups/{group}"), body).await.unwrap().status(), 201);
     }
-    let receiver = Receiver::start(pipeline_stages::answer_after(Duration::from_millis(20))).await;
+    let receiver = Receiver::start(pipeline_stages::answer(Duration::from_millis(20), (17, 13))).await;
     for (stream, group, output) in [("ORDERS", "enrich", "PAYMENTS"), ("PAYMENTS", "charge", "LEDGER")] {
         for member in ["m1", "m2"] {
             let hook = pipeline_stages::registration(receiver.url(&format!("/{group}/{member}")), output);

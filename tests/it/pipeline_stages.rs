@@ -40,13 +40,16 @@ fn stage(request: &Recorded, earlier: usize, next: &str, order: u64, fail_every:
 /// The receiver of both webhook stages (paths `/enrich/…` publish to
 /// PAYMENTS, others to LEDGER): an order's payment names the order by its
 /// sequence in the first stream, and so does its ledger entry.
-/// Each 2xx answer takes `delay`.
-pub fn answer_after(delay: Duration) -> impl Fn(&Recorded, usize) -> Answer + Send + Sync + 'static {
+/// Each 2xx answer takes `delay`; the first attempt of every
+/// `fail_every.0`-th message of the first stage and `fail_every.1`-th of
+/// the second is answered 503 with Retry-After (each holds its key a
+/// second).
+pub fn answer(delay: Duration, fail_every: (u64, u64)) -> impl Fn(&Recorded, usize) -> Answer + Send + Sync + 'static {
     move |request, earlier| match request.path.starts_with("/enrich") {
-        true => stage(request, earlier, PAYMENTS, request.seq(), 17, delay),
+        true => stage(request, earlier, PAYMENTS, request.seq(), fail_every.0, delay),
         false => {
             let body: Value = serde_json::from_slice(&request.body).unwrap_or(Value::Null);
-            stage(request, earlier, LEDGER, body["order"].as_u64().unwrap_or(0), 13, delay)
+            stage(request, earlier, LEDGER, body["order"].as_u64().unwrap_or(0), fail_every.1, delay)
         }
     }
 }
