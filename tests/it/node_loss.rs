@@ -18,7 +18,8 @@
 //! and at the pipeline's end LEDGER holds each message exactly once, in
 //! each key's order.
 //! The loss showed in about 2 runs of 5, so the test command runs it 5
-//! times; `KEYGATE_NODE_LOSS_RUNS` sets the count (20 by hand).
+//! times; `KEYGATE_NODE_LOSS_RUNS` sets the count (20 by hand), and the
+//! replicas' logs land in the test's target tmpdir (`node-loss-logs/`).
 //! Run it alone: `cargo nextest run --run-ignored only node_loss --no-capture`.
 
 use std::collections::{BTreeMap, HashMap};
@@ -118,7 +119,8 @@ async fn step_down(js: &async_nats::jetstream::Context, api: &str, node: Option<
 /// The node that m1's serving replica is connected to, after making it the
 /// leader of both members' consumers and not the stream's leader.
 async fn worst_follower(cluster: &NatsCluster, http: &reqwest::Client, base: &str) -> usize {
-    let view: Value = http.get(format!("{base}/v1/streams/ORD/groups/g")).send().await.unwrap().json().await.unwrap();
+    let view: Value =
+        http.get(format!("{base}/v1/streams/ORD/groups/enrich")).send().await.unwrap().json().await.unwrap();
     let serving = view["assignment"][0]["serving_instance"].as_str().unwrap_or("keygate-a").to_owned();
     let node = cluster.node_serving(&format!("keygate {serving}")).await.unwrap_or(0);
     let name = cluster.nodes[node].name.clone();
@@ -128,7 +130,7 @@ async fn worst_follower(cluster: &NatsCluster, http: &reqwest::Client, base: &st
         if cluster.leader_of("ORD").await == name {
             step_down(&js, "STREAM.LEADER.STEPDOWN.ORD", None).await;
         }
-        for consumer in ["g-m1", "g-m2"] {
+        for consumer in ["enrich-m1", "enrich-m2"] {
             let leader = async {
                 let s = js.get_stream("ORD").await.ok()?;
                 s.consumer_info(consumer).await.ok()?.cluster.as_ref()?.leader.clone()
@@ -152,7 +154,7 @@ async fn server_view(cluster: &NatsCluster) -> String {
     if let Ok(info) = s.info().await {
         lines.push(format!("ORD: {} messages, last seq {}", info.state.messages, info.state.last_sequence));
     }
-    for consumer in ["g-m1", "g-m2"] {
+    for consumer in ["enrich-m1", "enrich-m2"] {
         if let Ok(i) = s.consumer_info(consumer).await {
             lines.push(format!(
                 "  {consumer}: pending {} ack pending {} ack floor {}",
@@ -211,9 +213,12 @@ async fn one_run(run: usize) {
     let http = http_client();
     let logs = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("node-loss-logs");
     std::fs::create_dir_all(&logs).unwrap();
+    // `KEYGATE_NODE_LOSS_LOG` sets the replicas' log filter for a run by hand
+    // (e.g. `info,keygate::runtime=debug` shows the barrier and custody).
+    let log_filter = std::env::var("KEYGATE_NODE_LOSS_LOG").unwrap_or_else(|_| "info".into());
     let start = |id: &str| {
         let log = std::fs::File::create(logs.join(format!("run{run}-{id}-{}.log", rand::random::<u16>()))).unwrap();
-        KeygateProcess::start_logging(&urls, id, "info", &[], log.into())
+        KeygateProcess::start_logging(&urls, id, &log_filter, &[], log.into())
     };
     let mut replicas = vec![start("keygate-a"), start("keygate-b")];
     for r in &replicas {
