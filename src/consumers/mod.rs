@@ -1,9 +1,10 @@
 //! Plain pull consumers with a priority-group policy (ADR-42): `none`,
 //! `overflow`, `pinned_client`, `prioritized`. The REST shape, validated as
 //! the server validates it (before anything is created), and the few
-//! JetStream calls behind it. Their subscribers' runtime is in
-//! `subscriber.rs`, the shuffle window in `shuffle_window.rs` and
-//! `window_share.rs`.
+//! JetStream calls behind it. Their subscribers run on the instance
+//! runtime members use (`runtime/driver/`, concurrent dispatch), with the
+//! shuffle window in `runtime/shuffle_window.rs` and
+//! `runtime/window_share.rs`.
 
 use std::time::Duration;
 

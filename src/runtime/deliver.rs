@@ -1,7 +1,7 @@
-//! One delivery to a member's webhook: the request (payload, signature and
-//! `keygate-*` headers; the CloudEvents attributes in that format), and what
-//! its verdict does to the message (ack, NAK with backoff, or dead-letter
-//! then terminate).
+//! One delivery (or one batch) to an instance's endpoint: a webhook (the
+//! request itself is built in `webhook/request.rs`), a WebSocket or a pull
+//! client; and what its verdict does to the message: outputs published,
+//! then ack; NAK with backoff; or dead-letter, then terminate.
 
 use std::collections::HashSet;
 use std::sync::Arc;
