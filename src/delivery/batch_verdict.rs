@@ -94,19 +94,33 @@ pub fn judge_batch(response: &Response<'_>, ids: &[&str], now: SystemTime, polic
     }
 }
 
+/// Why a 2xx batch answer's body cannot settle its batch (ids from the
+/// answer are cut to 64 characters: the reason reaches events and dead
+/// letters).
+#[derive(Debug, thiserror::Error)]
+enum UnusableAnswer {
+    #[error("the body is not {{\"results\":[{{\"id\",\"status\"}}…]}} ({0})")]
+    NotResults(serde_json::Error),
+    #[error("result for {0:?}, which is not in this batch")]
+    UnknownId(String),
+    #[error("two results for {0:?}")]
+    TwoResults(String),
+    #[error("results for {answered} of the batch's {size} messages (every message needs one)")]
+    Incomplete { answered: usize, size: usize },
+}
+
 /// Each message's verdict from a `{"results":[…]}` body, or why the body
 /// cannot settle this batch.
-fn results(body: &[u8], ids: &[&str], max_delay: Duration) -> Result<Vec<Judgement>, String> {
-    let answer: BatchAnswer = serde_json::from_slice(body)
-        .map_err(|e| format!("the body is not {{\"results\":[{{\"id\",\"status\"}}…]}} ({e})"))?;
+fn results(body: &[u8], ids: &[&str], max_delay: Duration) -> Result<Vec<Judgement>, UnusableAnswer> {
+    let answer: BatchAnswer = serde_json::from_slice(body).map_err(UnusableAnswer::NotResults)?;
     let position: HashMap<&str, usize> = ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
     let mut items: Vec<Option<Judgement>> = vec![None; ids.len()];
     for result in answer.results {
         let Some(&at) = position.get(result.id.as_str()) else {
-            return Err(format!("result for {:?}, which is not in this batch", truncated(&result.id)));
+            return Err(UnusableAnswer::UnknownId(truncated(&result.id)));
         };
         if items[at].is_some() {
-            return Err(format!("two results for {:?}", result.id));
+            return Err(UnusableAnswer::TwoResults(truncated(&result.id)));
         }
         let (verdict, word) = match result.status {
             ItemStatus::Ack => (Verdict::Ack, "ack"),
@@ -120,7 +134,7 @@ fn results(body: &[u8], ids: &[&str], max_delay: Duration) -> Result<Vec<Judgeme
     }
     let answered = items.iter().filter(|i| i.is_some()).count();
     if answered != ids.len() {
-        return Err(format!("results for {answered} of the batch's {} messages (every message needs one)", ids.len()));
+        return Err(UnusableAnswer::Incomplete { answered, size: ids.len() });
     }
     Ok(items.into_iter().flatten().collect())
 }
