@@ -11,8 +11,10 @@
 //! while its holder still works on it only when the ack wait passed
 //! without word from the holder: across a NATS reconnect (a restarted
 //! server forgets pins and the keep-alives it had not stored), or when
-//! keep-alives went out late (a starved process). Custody holds while
-//! neither happened since the message arrived. Without it a verdict that
+//! keep-alives went out late (a starved process), and when its consumer
+//! elected a new leader, which works from replicated state that may lag
+//! (nats/consumer_leaders.rs). Custody holds while none of these happened
+//! since the message arrived. Without it a verdict that
 //! would settle the message NAKs it instead: a duplicate delivery with the
 //! same `webhook-id`, never a reorder.
 
@@ -24,24 +26,38 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 /// One run's view of what custody depends on: its NATS connection (how
-/// many connections were made, whether one is up) and the ack wait.
+/// many connections were made, whether one is up), its consumer's leader
+/// elections and the ack wait.
 pub struct CustodyClock {
     client: async_nats::Client,
     connections: watch::Receiver<u64>,
+    elections: Arc<AtomicU64>,
     ack_wait: Duration,
     origin: Instant,
 }
 
 impl CustodyClock {
-    /// `connections` counts the connections made (one more at every reconnect).
-    pub fn new(client: async_nats::Client, connections: watch::Receiver<u64>, ack_wait: Duration) -> Arc<Self> {
-        Arc::new(Self { client, connections, ack_wait, origin: Instant::now() })
+    /// `connections` counts the connections made (one more at every
+    /// reconnect), `elections` the consumer's leader elections.
+    pub fn new(
+        client: async_nats::Client,
+        connections: watch::Receiver<u64>,
+        elections: Arc<AtomicU64>,
+        ack_wait: Duration,
+    ) -> Arc<Self> {
+        Arc::new(Self { client, connections, elections, ack_wait, origin: Instant::now() })
     }
 
     /// Custody of a message arriving now.
     pub fn receive(self: &Arc<Self>) -> Custody {
         let connection = *self.connections.borrow();
-        Custody { last_word_ms: AtomicU64::new(self.since_origin(Instant::now())), clock: self.clone(), connection }
+        let elections = self.elections.load(Ordering::Acquire);
+        Custody {
+            last_word_ms: AtomicU64::new(self.since_origin(Instant::now())),
+            clock: self.clone(),
+            connection,
+            elections,
+        }
     }
 
     fn since_origin(&self, at: Instant) -> u64 {
@@ -54,6 +70,8 @@ pub struct Custody {
     clock: Arc<CustodyClock>,
     /// The connection it arrived on.
     connection: u64,
+    /// The consumer's leader elections counted when it arrived.
+    elections: u64,
     /// When the last word for it went out (its arrival, or the start of a
     /// keep-alive sent since), in milliseconds after the clock's origin.
     last_word_ms: AtomicU64,
@@ -69,18 +87,18 @@ impl Custody {
     /// Whether the message may be settled now.
     pub fn held(&self) -> bool {
         let clock = &self.clock;
-        let connection = Connection {
-            arrived_on: self.connection,
-            now: *clock.connections.borrow(),
-            up: clock.client.connection_state() == async_nats::connection::State::Connected,
+        let since = SinceArrival {
+            connection_up: clock.client.connection_state() == async_nats::connection::State::Connected,
+            reconnected: *clock.connections.borrow() != self.connection,
+            leader_elected: clock.elections.load(Ordering::Acquire) != self.elections,
         };
         let last_word = clock.origin + Duration::from_millis(self.last_word_ms.load(Ordering::Relaxed));
-        let held = unbroken(&connection, last_word, clock.ack_wait, Instant::now());
+        let held = unbroken(&since, last_word, clock.ack_wait, Instant::now());
         if !held {
             tracing::debug!(
-                arrived_on = connection.arrived_on,
-                connection = connection.now,
-                up = connection.up,
+                up = since.connection_up,
+                reconnected = since.reconnected,
+                leader_elected = since.leader_elected,
                 silent_ms = last_word.elapsed().as_millis(),
                 "custody of a message lapsed"
             );
@@ -95,32 +113,34 @@ impl fmt::Debug for Custody {
     }
 }
 
-/// The connection a message arrived on, against the one there is now.
-struct Connection {
-    arrived_on: u64,
-    now: u64,
-    up: bool,
+/// What happened to the connection and the consumer since a message arrived.
+struct SinceArrival {
+    connection_up: bool,
+    reconnected: bool,
+    leader_elected: bool,
 }
 
 /// Custody holds on the connection the message arrived on, while it is
-/// up, and well within the ack wait of the last word sent for it (its
-/// arrival or a keep-alive): a quarter of the ack wait is left for the
-/// settlement to reach the server and for the server's own clock.
-fn unbroken(connection: &Connection, last_word: Instant, ack_wait: Duration, now: Instant) -> bool {
-    connection.up
-        && connection.arrived_on == connection.now
+/// up, under the consumer leader it arrived under, and well within the ack
+/// wait of the last word sent for it (its arrival or a keep-alive): a
+/// quarter of the ack wait is left for the settlement to reach the server
+/// and for the server's own clock.
+fn unbroken(since: &SinceArrival, last_word: Instant, ack_wait: Duration, now: Instant) -> bool {
+    since.connection_up
+        && !since.reconnected
+        && !since.leader_elected
         && now.saturating_duration_since(last_word) < ack_wait - ack_wait / 4
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{unbroken, Connection};
+    use super::{unbroken, SinceArrival};
     use std::time::{Duration, Instant};
 
     const ACK_WAIT: Duration = Duration::from_secs(2);
 
-    fn on(arrived_on: u64, now: u64, up: bool) -> Connection {
-        Connection { arrived_on, now, up }
+    fn on(arrived_on: u64, now: u64, up: bool) -> SinceArrival {
+        SinceArrival { connection_up: up, reconnected: arrived_on != now, leader_elected: false }
     }
 
     #[test]
@@ -134,6 +154,13 @@ mod tests {
         let word = Instant::now();
         assert!(!unbroken(&on(3, 4, true), word, ACK_WAIT, word), "reconnected since it arrived");
         assert!(!unbroken(&on(3, 3, false), word, ACK_WAIT, word), "the connection is down now");
+    }
+
+    #[test]
+    fn a_consumer_leader_elected_since_it_arrived_breaks_custody() {
+        let word = Instant::now();
+        let elected = SinceArrival { connection_up: true, reconnected: false, leader_elected: true };
+        assert!(!unbroken(&elected, word, ACK_WAIT, word), "the new leader may have given it elsewhere");
     }
 
     #[test]

@@ -78,6 +78,8 @@ pub struct Broker {
     /// Connections to NATS made so far: pulls waiting at the server may
     /// not outlive a reconnect, so instances pull again when it changes.
     pub connections: tokio::sync::watch::Receiver<u64>,
+    /// Consumer leader elections of the consumers served here (custody).
+    pub consumer_leaders: Arc<crate::nats::consumer_leaders::ConsumerLeaders>,
     /// The atomic batches batch publishes may hold open for keys' runs.
     pub run_slots: crate::publish::RunSlots,
 }
@@ -135,6 +137,7 @@ impl Runtime {
                 subscriptions: SharedSubscriptions::new(client.clone(), &[crate::cluster::control::CONTROL_PREFIX]),
                 outbox: Outbox::start(client.clone()),
                 connections,
+                consumer_leaders: crate::nats::consumer_leaders::ConsumerLeaders::start(client.clone()),
                 buckets,
                 client,
                 js,

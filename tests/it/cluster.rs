@@ -345,3 +345,65 @@ async fn the_first_commands_on_a_just_formed_cluster_are_stored_at_the_first_try
         .unwrap();
     assert_eq!(response.status().as_u16(), 200, "the first pause: {}", response.text().await.unwrap());
 }
+
+/// The leader of one consumer, once it has one.
+async fn consumer_leader(js: &async_nats::jetstream::Context, stream: &str, consumer: &str) -> String {
+    eventually(Duration::from_secs(30), || async {
+        js.get_stream(stream).await.ok()?.consumer_info(consumer).await.ok()?.cluster.as_ref()?.leader.clone()
+    })
+    .await
+}
+
+/// A consumer leader elected while a delivery is in flight: the new leader
+/// works from replicated state (keep-alives sent while no leader was there
+/// went nowhere) and may give the message to another instance, whose copy
+/// an ack from the old holder would settle too. So the instance that had
+/// it does not settle it after the endpoint's 2xx: the message is
+/// delivered again, with the same webhook-id (src/delivery/custody.rs,
+/// src/nats/consumer_leaders.rs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "three nats-servers: scripts/test runs it on its own, after the other tests"]
+async fn a_delivery_in_flight_across_a_consumer_leader_election_is_not_settled_by_the_instance_that_had_it() {
+    let cluster = NatsCluster::start().await;
+    let http = http_client();
+    let keygate = KeygateProcess::start(&cluster.urls(), "keygate-election");
+    keygate.wait_ready(&http).await;
+    let stream = json!({"subjects":["elect.*"],"partitions":1,"replicas":3});
+    keygate.put_until_stored(&http, "/v1/streams/ELECT", &stream).await;
+    // An ack wait far longer than the delivery: nothing here is redelivered for lateness.
+    let group = json!({"kind":"static","partitions":1,"members":["m1"],"ack_wait_ms":30000});
+    keygate.put_until_stored(&http, "/v1/streams/ELECT/groups/g", &group).await;
+    // The first attempt takes 6 s (within the webhook's timeout); the
+    // election happens meanwhile.
+    let receiver = Receiver::start(|_, earlier| match earlier {
+        0 => Answer::ok().after(Duration::from_secs(6)),
+        _ => Answer::ok(),
+    })
+    .await;
+    let hook = json!({"url": receiver.url("/m1")});
+    keygate.put_until_stored(&http, "/v1/streams/ELECT/groups/g/members/m1/webhook", &hook).await;
+    let published = http
+        .post(format!("{}/v1/streams/ELECT/messages", keygate.base))
+        .json(&json!({"key":"k","data":{"i":1}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(published.status().as_u16(), 200);
+    eventually(Duration::from_secs(20), || async { (!receiver.requests().is_empty()).then_some(()) }).await;
+
+    let js = async_nats::jetstream::new(async_nats::connect(cluster.addrs()).await.unwrap());
+    let before = consumer_leader(&js, "ELECT", "g-m1").await;
+    let stepped: Value = js.request("CONSUMER.LEADER.STEPDOWN.ELECT.g-m1".to_owned(), &json!({})).await.unwrap();
+    assert_eq!(stepped["success"], true, "{stepped}");
+    assert_eq!(receiver.requests()[0].status, 0, "the first attempt was still in flight at the election");
+
+    let attempts = eventually(Duration::from_secs(30), || async {
+        let requests = receiver.requests();
+        (requests.iter().filter(|r| r.ok()).count() >= 2).then_some(requests)
+    })
+    .await;
+    let ids: Vec<Option<&str>> = attempts.iter().map(|r| r.header("webhook-id")).collect();
+    assert_eq!(ids[0], ids[1], "the same message, delivered again: {ids:?}");
+    assert_eq!(attempts[0].seq(), attempts[1].seq());
+    assert_ne!(consumer_leader(&js, "ELECT", "g-m1").await, before, "the consumer has a new leader");
+}

@@ -215,8 +215,10 @@ impl Driver {
             }
             Dispatch::Concurrent(_) | Dispatch::Lanes(_) => None,
         };
-        let custody = matches!(joined.dispatch, Dispatch::Lanes(_))
-            .then(|| CustodyClock::new(ctx.broker.client.clone(), ctx.broker.connections.clone(), joined.ack_wait));
+        let custody = matches!(joined.dispatch, Dispatch::Lanes(_)).then(|| {
+            let elections = ctx.broker.consumer_leaders.watch(&joined.stream_name, &joined.consumer);
+            CustodyClock::new(ctx.broker.client.clone(), ctx.broker.connections.clone(), elections, joined.ack_wait)
+        });
         let metrics = Arc::new(DeliveryMetrics::of(&who));
         let batching = endpoint.batch().map(|spec| Arc::new(Batching::new(spec, lanes.max_in_flight())));
         let shared = LaneShared {

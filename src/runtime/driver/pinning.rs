@@ -242,7 +242,7 @@ impl Driver {
                 // A consumer leader whose state lags counts too little
                 // until its deliveries catch up (below): no hand-back then.
                 if info.num_ack_pending < parked && info.delivered.stream_sequence >= highest {
-                    tracing::debug!(member = %self.who().member, ack_pending = info.num_ack_pending, ours, parked,
+                    tracing::debug!(consumer = %self.joined.consumer, ack_pending = info.num_ack_pending, ours, parked,
                         "holding more than the consumer counts: handed back for redelivery");
                     hand_back(self.shared.lock().lanes.release_held());
                 }
@@ -264,10 +264,10 @@ impl Driver {
                 && pinned_here(&info, self.pin.id())
             {
                 self.shared.lock().lanes.set_barrier(false);
-                tracing::debug!(member = %self.who().member, pin = self.pin.id(), ack_pending = info.num_ack_pending, ours,
+                tracing::debug!(consumer = %self.joined.consumer, pin = self.pin.id(), ack_pending = info.num_ack_pending, ours,
                     delivered = info.delivered.stream_sequence, highest, "handover barrier down");
             } else {
-                tracing::debug!(member = %self.who().member, pin = self.pin.id(), ack_pending = info.num_ack_pending, ours,
+                tracing::debug!(consumer = %self.joined.consumer, pin = self.pin.id(), ack_pending = info.num_ack_pending, ours,
                     parked, delivered = info.delivered.stream_sequence, highest,
                     pinned_here = pinned_here(&info, self.pin.id()), "handover barrier stays up");
             }
