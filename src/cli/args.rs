@@ -148,8 +148,10 @@ pub enum ElasticCommand {
         #[arg(required = true)]
         mappings: Vec<String>,
     },
-    /// Remove the explicit mappings.
-    DeleteMapping { stream: String, group: String },
+    /// Remove the explicit mappings; the members named become the group's
+    /// balanced members (required while mappings are set: without them no
+    /// partition would have an owner).
+    DeleteMapping { stream: String, group: String, members: Vec<String> },
     /// Whether a member belongs to the group, what it owns and who serves it.
     #[command(visible_alias = "minfo")]
     MemberInfo { stream: String, group: String, member: String },

@@ -162,9 +162,10 @@ impl Admin {
                 let view = self.groups.set_mappings(&stream, &group, mappings).await?;
                 self.print_membership("mapped", &view)
             }
-            ElasticCommand::DeleteMapping { stream, group } => {
+            ElasticCommand::DeleteMapping { stream, group, members } => {
                 let (stream, group) = names(&stream, &group)?;
-                let view = self.groups.delete_mappings(&stream, &group).await?;
+                let members = members.iter().map(|m| MemberName::parse(m)).collect::<Result<Vec<_>, _>>()?;
+                let view = self.groups.delete_mappings(&stream, &group, &members).await?;
                 self.print_membership("mappings deleted", &view)
             }
             ElasticCommand::MemberInfo { stream, group, member } => {

@@ -348,20 +348,58 @@ impl GroupAdmin {
         if mappings.is_empty() {
             return Err(Error::new(Kind::InvalidSpec, "mappings must not be empty; DELETE …/mappings removes them"));
         }
-        self.edit_elastic(stream, group, |config| {
-            config.members.clear();
-            config.member_mappings = mappings.clone();
-            validate_membership(config.max_members, &config.members, &config.member_mappings)
-                .map_err(|e| Error::new(Kind::InvalidSpec, e.to_string()))
-        })
-        .await
+        let mut replaced = Vec::new();
+        let mut view = self
+            .edit_elastic(stream, group, |config| {
+                replaced = std::mem::take(&mut config.members);
+                config.member_mappings = mappings.clone();
+                validate_membership(config.max_members, &config.members, &config.member_mappings)
+                    .map_err(|e| Error::new(Kind::InvalidSpec, e.to_string()))
+            })
+            .await?;
+        let mut note = "mappings replace the group's member list: its members are exactly the mapped ones \
+            (DELETE …/mappings?members=… goes back to balanced members)"
+            .to_owned();
+        if !replaced.is_empty() {
+            note.push_str(&format!("; no longer in the member list: {}", replaced.join(", ")));
+        }
+        view.note = Some(note);
+        Ok(view)
     }
 
-    /// Removes an elastic group's mappings (it then has no members).
-    pub async fn delete_mappings(&self, stream: &StreamName, group: &GroupName) -> Result<MembershipView, Error> {
+    /// Removes an elastic group's mappings; `members` become its balanced
+    /// members in the same edit. Removing them with no members named is
+    /// refused, since it would leave every partition without an owner (and
+    /// members cannot be added while mappings are set).
+    pub async fn delete_mappings(
+        &self,
+        stream: &StreamName,
+        group: &GroupName,
+        members: &[MemberName],
+    ) -> Result<MembershipView, Error> {
         self.edit_elastic(stream, group, |config| {
+            if members.is_empty() {
+                if config.member_mappings.is_empty() {
+                    return Ok(());
+                }
+                return Err(Error::new(
+                    Kind::MembershipFixed,
+                    format!(
+                        "deleting the mappings would leave group {group} with no members, so no partition would \
+                         have an owner; name the members that take over in the same call: \
+                         DELETE …/mappings?members=m1,m2"
+                    ),
+                ));
+            }
             config.member_mappings.clear();
-            Ok(())
+            config.members.clear();
+            for member in members {
+                if !config.members.iter().any(|m| m == member.as_str()) {
+                    config.members.push(member.to_string());
+                }
+            }
+            validate_membership(config.max_members, &config.members, &config.member_mappings)
+                .map_err(|e| Error::new(Kind::InvalidSpec, e.to_string()))
         })
         .await
     }

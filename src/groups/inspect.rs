@@ -347,6 +347,7 @@ pub(super) fn membership_view(config: &GroupConfig, revision: u64) -> Membership
             .map(|(member, partitions)| OwnedPartitions { member, partitions })
             .collect(),
         revision,
+        note: None,
     }
 }
 

@@ -184,6 +184,10 @@ pub struct MembershipView {
     pub ownership: Vec<OwnedPartitions>,
     /// The new revision of the configuration.
     pub revision: u64,
+    /// What the edit did beyond what was asked, in words: setting mappings
+    /// replaces the member list.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
 }
 
 /// A member and partitions it owns.

@@ -25,6 +25,24 @@ pub struct KindQuery {
     pub kind: Option<GroupKind>,
 }
 
+/// Who takes over when mappings are deleted.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct TakeOver {
+    /// The members that become the group's balanced members, comma-separated
+    /// (`m1,m2`). Required while the group has mappings: without members
+    /// no partition would have an owner.
+    #[param(example = "m1,m2")]
+    pub members: Option<String>,
+}
+
+impl TakeOver {
+    fn members(&self) -> Result<Vec<MemberName>, ApiError> {
+        let Some(list) = &self.members else { return Ok(Vec::new()) };
+        list.split(',').map(str::trim).filter(|m| !m.is_empty()).map(|m| Ok(MemberName::parse(m)?)).collect()
+    }
+}
+
 /// Members to add.
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -354,24 +372,29 @@ pub async fn put_mappings(
     Ok(Json(state.runtime.stores.groups.set_mappings(&stream, &group, mappings).await?))
 }
 
-/// Removes an elastic group's mappings (it then has no members until some
-/// are added).
+/// Removes an elastic group's mappings; the members named in `members`
+/// become its balanced members in the same edit. Refused (409) while the
+/// group has mappings and no members are named: no partition would have
+/// an owner, and members cannot be added while mappings are set.
 #[utoipa::path(
     delete,
     path = "/v1/streams/{stream}/groups/{group}/mappings",
     tag = "groups",
-    params(("stream" = String, Path), ("group" = String, Path)),
+    params(("stream" = String, Path), ("group" = String, Path), TakeOver),
     responses(
         (status = 200, description = "the new membership", body = MembershipView),
+        (status = 400, description = "a member name is invalid", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "unknown group", body = Problem, content_type = "application/problem+json"),
-        (status = 409, description = "static group", body = Problem, content_type = "application/problem+json")
+        (status = 409, description = "static group, or no members named to take over from the mappings", body = Problem, content_type = "application/problem+json")
     )
 )]
 pub async fn delete_mappings(
     State(state): State<AppState>,
     Path((stream, group)): Path<(StreamName, GroupName)>,
+    Query(take_over): Query<TakeOver>,
 ) -> Result<Json<MembershipView>, ApiError> {
-    Ok(Json(state.runtime.stores.groups.delete_mappings(&stream, &group).await?))
+    let members = take_over.members()?;
+    Ok(Json(state.runtime.stores.groups.delete_mappings(&stream, &group, &members).await?))
 }
 
 /// Unpins the member's current instance; a standby instance takes over.

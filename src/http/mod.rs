@@ -10,7 +10,9 @@ pub mod events;
 pub mod extract;
 pub mod groups;
 pub mod health;
+mod json_errors;
 pub mod messages;
+mod name_hints;
 pub mod pauses;
 pub mod problem;
 pub mod pull;
@@ -196,6 +198,7 @@ pub fn router(state: AppState) -> Router {
         .route("/client/keygate.js", axum::routing::get(js_client));
     let mut app = api
         .route_layer(axum::middleware::from_fn_with_state(state.settings.request_timeout, bounded_in_time))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), name_hints::add_case_hint))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth::authorize))
         .merge(docs);
     if !separate_admin {

@@ -162,14 +162,37 @@ impl From<axum::extract::rejection::JsonRejection> for ApiError {
             J::MissingJsonContentType(_) => Self::UnsupportedMediaType(
                 "the request body must be JSON with `Content-Type: application/json`".to_owned(),
             ),
-            J::JsonDataError(e) => Self::BadRequest(format!("invalid request body: {}", e.body_text())),
-            J::JsonSyntaxError(e) => Self::BadRequest(format!("malformed JSON: {}", e.body_text())),
+            J::JsonDataError(_) | J::JsonSyntaxError(_) => Self::BadRequest(json_refusal(&rejection)),
             _ if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE => {
                 Self::PayloadTooLarge("the request body is larger than keygate accepts".to_owned())
             }
             other => Self::BadRequest(other.body_text()),
         }
     }
+}
+
+/// Why a JSON body was refused, in JSON's words (http/json_errors.rs),
+/// from the parser's error under axum's rejection.
+fn json_refusal(rejection: &axum::extract::rejection::JsonRejection) -> String {
+    use crate::http::json_errors::{data, syntax};
+    type PathError = serde_path_to_error::Error<serde_json::Error>;
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(rejection);
+    while let Some(error) = cause {
+        if let Some(at) = error.downcast_ref::<PathError>() {
+            return match at.inner().classify() {
+                serde_json::error::Category::Data => data(&at.path().to_string(), at.inner()),
+                _ => syntax(at.inner()),
+            };
+        }
+        if let Some(error) = error.downcast_ref::<serde_json::Error>() {
+            return match error.classify() {
+                serde_json::error::Category::Data => data(".", error),
+                _ => syntax(error),
+            };
+        }
+        cause = error.source();
+    }
+    rejection.body_text()
 }
 
 impl From<axum::extract::rejection::BytesRejection> for ApiError {
@@ -184,7 +207,13 @@ impl From<axum::extract::rejection::BytesRejection> for ApiError {
 
 impl From<axum::extract::rejection::PathRejection> for ApiError {
     fn from(rejection: axum::extract::rejection::PathRejection) -> Self {
-        Self::BadRequest(format!("invalid path: {}", rejection.body_text()))
+        use axum::extract::rejection::PathRejection as P;
+        // axum's own text starts "Invalid URL: ", which after ours read twice.
+        let detail = match &rejection {
+            P::FailedToDeserializePathParams(e) => e.kind().to_string(),
+            other => other.body_text(),
+        };
+        Self::BadRequest(format!("invalid path: {detail}"))
     }
 }
 

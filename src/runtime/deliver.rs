@@ -22,6 +22,7 @@ use crate::names::MemberRef;
 use crate::pauses::{Pause, BREAKER};
 use crate::runtime::endpoint::{Endpoint, WebhookEndpoint};
 use crate::telemetry::TraceContext;
+use crate::webhook::failure_log::{Failure, FailureLog};
 use crate::webhook::protection::{BreakerStep, Protection};
 
 /// What lets a message leave its consumer. Nothing else does: every ack and
@@ -163,13 +164,14 @@ pub async fn deliver(
             Vec::new(),
         ),
         Endpoint::Webhook(webhook) => {
-            let WebhookEndpoint { registration, url, signer, protection, credentials } = &**webhook;
+            let WebhookEndpoint { registration, url, signer, protection, credentials, failures } = &**webhook;
             protection.wait_turn().await;
             let trace = TraceContext::of_span(&span);
             let request = crate::webhook::request::outbound(registration, &who, &held, fencing, trace.as_ref());
             let sent = std::time::Instant::now();
             let (judgement, outputs) = ctx.webhook_client.call(registration, url, signer, credentials, &request).await;
             span.record("endpoint_ms", sent.elapsed().as_secs_f64() * 1000.0);
+            log_outcome(failures, &who, &judgement, &held, 1);
             metrics.endpoint_seconds.record(called.elapsed().as_secs_f64());
             let step = protection.record(judgement.failed);
             Box::pin(breaker_step(&ctx, &who, protection, step, &judgement, &mut events)).await;
@@ -326,7 +328,7 @@ async fn call_webhook(
     span: &tracing::Span,
     events: &mut Vec<Event>,
 ) -> BatchJudgement {
-    let WebhookEndpoint { registration, url, signer, protection, credentials } = webhook;
+    let WebhookEndpoint { registration, url, signer, protection, credentials, failures } = webhook;
     if protection.open() {
         let reason = "not sent: the circuit breaker is open and the member is pausing".to_owned();
         let not_sent = Judgement { verdict: Verdict::Nak { delay: None }, gone: false, failed: false, reason };
@@ -339,11 +341,26 @@ async fn call_webhook(
     let request = crate::webhook::request::batch_outbound(registration, who, &messages, fencing, trace.as_ref());
     let id_refs: Vec<&str> = ids.iter().map(String::as_str).collect();
     let judged = ctx.webhook_client.call_batch(registration, url, signer, credentials, &request, &id_refs).await;
+    if let (Some(first), Some((_, held))) = (judged.items.first(), batch.first()) {
+        let judgement = Judgement { failed: judged.failed, ..first.clone() };
+        log_outcome(failures, who, &judgement, held, batch.len());
+    }
     let step = protection.record(judged.failed);
     if let Some(first) = judged.items.first() {
         Box::pin(breaker_step(ctx, who, protection, step, first, events)).await;
     }
     judged
+}
+
+/// A failed request to a webhook in keygate's log (rate-limited per
+/// member), and the end of a streak of them.
+fn log_outcome(failures: &FailureLog, who: &MemberRef, judgement: &Judgement, held: &Delivered, messages: usize) {
+    if judgement.failed {
+        let (key, seq, attempt, reason) = (held.key.as_deref(), held.origin_seq, held.attempt, &judgement.reason);
+        failures.failed(who, &Failure { key, seq, attempt, messages, reason });
+    } else {
+        failures.succeeded(who);
+    }
 }
 
 /// Dead-letters then terminates; if the copy cannot be stored, the message

@@ -9,6 +9,7 @@ use crate::delivery::pull::PullEndpoint;
 use crate::delivery::websocket::SocketEndpoint;
 use crate::delivery::BatchLimits;
 use crate::webhook::credentials::Credentials;
+use crate::webhook::failure_log::FailureLog;
 use crate::webhook::protection::Protection;
 use crate::webhook::signing::{SecretError, Signer};
 use crate::webhook::{Backoff, Registration, WebhookClient};
@@ -29,6 +30,8 @@ pub struct WebhookEndpoint {
     pub signer: Signer,
     pub protection: Protection,
     pub credentials: Credentials,
+    /// Failed requests, logged without flooding the log.
+    pub failures: FailureLog,
 }
 
 /// Why a stored registration cannot be served.
@@ -50,7 +53,14 @@ impl Endpoint {
         let url = reqwest::Url::parse(&registration.url).map_err(|_| UnusableRegistration::Url)?;
         let protection = Protection::of(&registration);
         let credentials = client.credentials(registration.auth.as_ref());
-        Ok(Self::Webhook(Box::new(WebhookEndpoint { registration, url, signer, protection, credentials })))
+        Ok(Self::Webhook(Box::new(WebhookEndpoint {
+            registration,
+            url,
+            signer,
+            protection,
+            credentials,
+            failures: FailureLog::default(),
+        })))
     }
 
     /// The rate limit and breaker (none for a WebSocket or pull client:

@@ -113,6 +113,9 @@ impl DestinationPolicy {
 
     /// Checks a webhook URL: scheme, host, and every address it resolves to.
     pub async fn check_url(&self, url: &str) -> Result<reqwest::Url, DestinationError> {
+        if let Some(suggestion) = with_scheme(url) {
+            return Err(DestinationError::NoScheme { suggestion });
+        }
         let parsed =
             reqwest::Url::parse(url).map_err(|source| DestinationError::InvalidUrl { url: url.to_owned(), source })?;
         if !matches!(parsed.scheme(), "http" | "https") {
@@ -153,6 +156,8 @@ pub enum DestinationError {
     InvalidUrl { url: String, source: <reqwest::Url as std::str::FromStr>::Err },
     #[error("webhook URLs must be http or https, not {0}")]
     Scheme(String),
+    #[error("the webhook URL has no scheme: did you mean {suggestion:?}?")]
+    NoScheme { suggestion: String },
     #[error("webhook URLs must not carry credentials; use the signing secret")]
     Credentials,
     #[error("{0:?} has no host")]
@@ -164,6 +169,19 @@ pub enum DestinationError {
     /// The policy refuses one of the addresses the host resolves to.
     #[error("destination {host} not allowed: {why}")]
     NotAllowed { host: String, why: String },
+}
+
+/// The URL with `http://` in front when it was written without a scheme
+/// (`127.0.0.1:9000/orders`, `localhost:9000/orders`): what comes before
+/// the first `:` is then a host and what follows a port, not a scheme.
+fn with_scheme(url: &str) -> Option<String> {
+    if url.contains("://") {
+        return None;
+    }
+    let (host, rest) = url.split_once(':')?;
+    let port_follows = rest.split('/').next().is_some_and(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
+    let host_like = !host.is_empty() && host.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-');
+    (host_like && port_follows).then(|| format!("http://{url}"))
 }
 
 /// Idle connections a webhook client keeps per host: at least as many as
@@ -217,6 +235,15 @@ impl reqwest::dns::Resolve for PolicyResolver {
 mod tests {
     use super::*;
     use std::net::Ipv6Addr;
+
+    #[test]
+    fn a_url_written_without_its_scheme_gets_http_suggested() {
+        assert_eq!(with_scheme("127.0.0.1:9000/orders").as_deref(), Some("http://127.0.0.1:9000/orders"));
+        assert_eq!(with_scheme("localhost:9000").as_deref(), Some("http://localhost:9000"));
+        assert_eq!(with_scheme("http://127.0.0.1:9000/orders"), None);
+        assert_eq!(with_scheme("mailto:someone@example.com"), None, "a scheme, just not http");
+        assert_eq!(with_scheme("ftp:21"), Some("http://ftp:21".into()), "host:port reads as a host");
+    }
 
     #[test]
     fn addresses_are_classified() {

@@ -3,13 +3,15 @@
 //! delivery makes (`request.rs`) and its Standard Webhooks signature
 //! (`signing.rs`), the hardened client that sends it (`client.rs`: no
 //! redirects, bounded time and bodies) with the destination policy
-//! (`destination.rs`) and outbound credentials (`credentials.rs`), and the
-//! rate limit and breaker (`protection.rs`). Below the runtime, above
+//! (`destination.rs`) and outbound credentials (`credentials.rs`), the
+//! rate limit and breaker (`protection.rs`), and failed requests in the
+//! log (`failure_log.rs`). Below the runtime, above
 //! `delivery/` (the message, the verdict).
 
 pub mod client;
 pub mod credentials;
 pub mod destination;
+pub mod failure_log;
 pub mod protection;
 pub mod registration;
 pub mod request;

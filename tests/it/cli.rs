@@ -113,7 +113,10 @@ async fn elastic_membership_and_mappings_are_edited_live_from_the_cli() {
     assert!(mapped.contains("x: partitions 0-2"), "{mapped}");
     let (_, view) = app.get("/v1/streams/EVENTS/groups/g").await;
     assert_eq!(view["mappings"][1], json!({"member":"y","partitions":[3,4,5]}));
-    ok(&app, &["elastic", "delete-mapping", "EVENTS", "g"]);
+    let refused = keygate(&app, &["elastic", "delete-mapping", "EVENTS", "g"]);
+    assert!(!refused.status.success(), "without members to take over: no partition would have an owner");
+    let unmapped = json_of(&app, &["elastic", "delete-mapping", "EVENTS", "g", "x", "y"]);
+    assert_eq!(unmapped["members"], json!(["x", "y"]));
     let info = ok(&app, &["elastic", "info", "EVENTS", "g"]);
     assert!(info.contains("partitioning filter: events.*.* wildcards [2]"), "{info}");
     assert!(info.contains("work-queue stream: EVENTS-g"), "{info}");

@@ -593,3 +593,71 @@ async fn backlog_per_partition_and_blocked_partitions_are_gauges() {
     })
     .await;
 }
+
+/// A failing endpoint shows in keygate's log at warn: its first failure
+/// with member, key, seq, attempt and what the endpoint did, then at most
+/// one summary every 10 s however many fail (here more than 1,000), and a
+/// line when it answers 2xx again; the URL, and the token in its query,
+/// never (src/webhook/failure_log.rs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_deliveries_are_logged_at_warn_rate_limited_and_without_the_url() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    use crate::support::{http_client, KeygateProcess, NatsServer};
+    const FAILURES: usize = 1200;
+    let server = NatsServer::start();
+    let http = http_client();
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let keygate =
+        KeygateProcess::start_logging(&server.url(), "kg-log", "warn,keygate=info", &[], log.reopen().unwrap().into());
+    keygate.wait_ready(&http).await;
+    let base = keygate.base.clone();
+    let put = |path: &str, body: Value| {
+        let (http, url) = (http.clone(), format!("{base}{path}"));
+        async move { http.put(url).json(&body).send().await.unwrap().status().as_u16() }
+    };
+    assert_eq!(put("/v1/streams/ORDERS", json!({"subjects":["orders.*"],"partitions":PARTITIONS})).await, 201);
+    let group = json!({"kind":"static","partitions":PARTITIONS,"members":["m1"],"ordering":"key"});
+    assert_eq!(put("/v1/streams/ORDERS/groups/g", group).await, 201);
+    let answered = Arc::new(AtomicUsize::new(0));
+    let counter = answered.clone();
+    let receiver = Receiver::start(move |_, _| match counter.fetch_add(1, Ordering::SeqCst) < FAILURES {
+        true => Answer::status(500),
+        false => Answer::ok(),
+    })
+    .await;
+    let hook = json!({"url": receiver.url("/m1?token=sekret-in-the-query"), "max_attempts": 100,
+        "backoff": {"initial_ms": 10, "max_ms": 50}});
+    assert_eq!(put("/v1/streams/ORDERS/groups/g/members/m1/webhook", hook).await, 201);
+    for batch in 0..4 {
+        let messages: Vec<Value> =
+            (0..250).map(|i| json!({"key": format!("k{}", batch * 250 + i), "data": {"i": i}})).collect();
+        let url = format!("{base}/v1/streams/ORDERS/messages/batch");
+        let status = http.post(url).json(&json!({"messages": messages})).send().await.unwrap().status();
+        assert_eq!(status.as_u16(), 200);
+    }
+    let started = Instant::now();
+    eventually(Duration::from_secs(60), || async {
+        let ok: std::collections::HashSet<u64> =
+            receiver.requests().iter().filter(|r| r.ok()).map(Recorded::seq).collect();
+        (ok.len() == 1000).then_some(())
+    })
+    .await;
+    let failing_for = started.elapsed();
+    let text = std::fs::read_to_string(log.path()).unwrap();
+    let lines = |what: &str| text.lines().filter(|l| l.contains(what)).collect::<Vec<_>>();
+    let first = lines("webhook delivery failed");
+    assert_eq!(first.len(), 1, "one first failure: {first:?}");
+    for field in ["WARN", "member=m1", "key=\"k", "seq=", "attempt=1", "reason=\"500\""] {
+        assert!(first[0].contains(field), "{field} in {}", first[0]);
+    }
+    // At most one failure line per 10 s, and a recovery line per logged streak.
+    let periods = failing_for.as_secs() / 10 + 1;
+    let summaries = lines("webhook deliveries keep failing");
+    assert!(summaries.len() as u64 <= periods, "{} summaries in {failing_for:?}: {summaries:?}", summaries.len());
+    let recovered = lines("webhook deliveries succeed again");
+    assert!(!recovered.is_empty() && recovered.len() as u64 <= periods, "{recovered:?}");
+    assert!(answered.load(Ordering::SeqCst) > FAILURES, "more than {FAILURES} requests failed");
+    assert!(!text.contains("sekret-in-the-query") && !text.contains("/m1?"), "the URL stays out of the log");
+}

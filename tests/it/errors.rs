@@ -79,3 +79,59 @@ async fn a_stream_deleted_between_two_reads_is_not_found() {
     let answer = keygate::nats::errors::stream_read_error("GONE", err);
     assert_eq!(answer.kind(), keygate::nats::errors::BrokerErrorKind::StreamNotFound, "{answer:?}");
 }
+
+/// What a newcomer gets wrong first, answered in plain words: broken JSON
+/// with where and what, types in JSON's words rather than Rust's, a bad
+/// name with one prefix, a name that differs only in case, a webhook URL
+/// without its scheme (src/http/json_errors.rs, src/http/name_hints.rs).
+#[tokio::test]
+async fn refusals_say_what_is_wrong_in_a_newcomers_words() {
+    let app = TestApp::start().await;
+    app.create_stream("ORDERS", json!({"subjects":["orders.*"],"partitions":4})).await;
+    let detail = |problem: &serde_json::Value| problem["detail"].as_str().unwrap_or_default().to_owned();
+    let url = app.url("/v1/streams/ORDERS/messages");
+    let broken = app
+        .http
+        .post(&url)
+        .header("content-type", "application/json")
+        .body(r#"{"key":"alice",data:1}"#)
+        .send()
+        .await
+        .unwrap();
+    let (status, problem) = into_parts(broken).await;
+    assert_eq!(status, 400);
+    assert_eq!(detail(&problem), "invalid JSON at line 1 column 16: object keys must be quoted strings");
+
+    let (status, problem) = app.put("/v1/streams/TYPED", json!({"subjects":["typed.*"],"partitions":"4"})).await;
+    assert_eq!(status, 400);
+    assert_eq!(
+        detail(&problem),
+        r#"invalid request body: `partitions`: must be a whole number from 0 to 4294967295, not the string "4""#
+    );
+    let (status, problem) = app.put("/v1/streams/TYPED", json!({"subjects":"typed.*"})).await;
+    assert_eq!(status, 400);
+    assert_eq!(detail(&problem), r#"invalid request body: `subjects`: must be an array, not the string "typed.*""#);
+    let (_, problem) = app.post("/v1/streams/ORDERS/messages", json!({"key": 5})).await;
+    assert_eq!(detail(&problem), "invalid request body: `key`: must be a string, not the number 5");
+
+    let (status, problem) = app.get("/v1/streams/ORDERS/groups/bad.name").await;
+    assert_eq!(status, 400);
+    let said = detail(&problem);
+    assert!(said.starts_with("invalid path: group name") && !said.contains("Invalid URL"), "{said}");
+
+    let (status, problem) = app.get("/v1/streams/orders").await;
+    assert_eq!(status, 404);
+    assert!(detail(&problem).ends_with("; did you mean stream ORDERS?"), "{problem}");
+    app.put("/v1/streams/ORDERS/groups/billing", json!({"kind":"static","partitions":4,"members":["m1"]})).await;
+    let (status, problem) = app.get("/v1/streams/ORDERS/groups/Billing").await;
+    assert_eq!(status, 404);
+    assert!(detail(&problem).ends_with("; did you mean group billing?"), "{problem}");
+    let (status, problem) = app.get("/v1/streams/ORDERS/groups/nothing-like-it").await;
+    assert_eq!(status, 404);
+    assert!(!detail(&problem).contains("did you mean"), "{problem}");
+
+    let hook = json!({"url": "127.0.0.1:9000/orders"});
+    let (status, problem) = app.put("/v1/streams/ORDERS/groups/billing/members/m1/webhook", hook).await;
+    assert_eq!(status, 422, "{problem}");
+    assert!(detail(&problem).contains(r#"did you mean "http://127.0.0.1:9000/orders"?"#), "{problem}");
+}

@@ -235,6 +235,9 @@ async fn mappings_replace_members_and_block_member_edits() {
     assert_eq!(status, 200);
     assert_eq!(body["members"], json!([]));
     assert_eq!(body["ownership"], json!([{"member":"x","partitions":[2,0]},{"member":"y","partitions":[1]}]));
+    let note = body["note"].as_str().unwrap();
+    assert!(note.starts_with("mappings replace the group's member list"), "{note}");
+    assert!(note.ends_with("no longer in the member list: a"), "the replaced members are named: {note}");
     let raw = String::from_utf8(app.kv_raw("elastic-consumer-groups", "M.g").await.unwrap()).unwrap();
     assert_eq!(
         raw,
@@ -244,11 +247,29 @@ async fn mappings_replace_members_and_block_member_edits() {
     assert_eq!(status, 409);
     let (status, _) = app.delete("/v1/streams/M/groups/g/members/x").await;
     assert_eq!(status, 409);
+    // Deleting the mappings with nobody to take over would leave every
+    // partition without an owner: refused, changing nothing.
     let (status, body) = app.delete("/v1/streams/M/groups/g/mappings").await;
-    assert_eq!(status, 200);
+    assert_eq!(status, 409, "{body}");
+    let detail = body["detail"].as_str().unwrap();
+    assert!(detail.contains("no members") && detail.contains("?members=m1,m2"), "{detail}");
+    let (_, view) = app.get("/v1/streams/M/groups/g").await;
+    assert_eq!(view["mappings"], json!([{"member":"x","partitions":[2,0]},{"member":"y","partitions":[1]}]), "{view}");
+    let (status, body) = app.delete("/v1/streams/M/groups/g/mappings?members=bad.name").await;
+    assert_eq!(status, 400, "{body}");
+    let (status, body) = app.delete("/v1/streams/M/groups/g/mappings?members=x,z,x").await;
+    assert_eq!(status, 200, "{body}");
     assert_eq!(body["mappings"], Value::Null);
-    let (status, _) = app.post("/v1/streams/M/groups/g/members", json!({"members":["z"]})).await;
+    assert_eq!(body["members"], json!(["x", "z"]));
+    let owners: Vec<&str> =
+        body["ownership"].as_array().unwrap().iter().map(|o| o["member"].as_str().unwrap()).collect();
+    assert_eq!(owners.len(), 2, "both members own partitions: {body}");
+    let (status, _) = app.post("/v1/streams/M/groups/g/members", json!({"members":["w"]})).await;
     assert_eq!(status, 200);
+    // Without mappings there is nothing to delete: answered as it stands.
+    let (status, body) = app.delete("/v1/streams/M/groups/g/mappings").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["members"], json!(["x", "z", "w"]));
 }
 
 #[tokio::test]
