@@ -13,7 +13,7 @@ mod redrive;
 pub use archive::{Archive, Page, MAX_PAGE, PAGE_BYTES, SCAN_BUDGET};
 pub use filter::{Cursor, DeadLetterQuery, Filter, Selection};
 pub use letter::{DeadLetterView, Letter, Redriven};
-pub use record::{dead_letter_id, record, DeadLetter, Stored};
+pub use record::{dead_letter_id, record, DeadLetter, RecordError, Stored};
 pub use redrive::{redrive_in_order, RedriveOutcome};
 
 /// What reading, redriving or deleting dead letters can fail with.

@@ -10,6 +10,7 @@ use super::headers as h;
 use super::{DEAD_LETTER_STREAM, DEAD_LETTER_SUBJECTS};
 use crate::names::Owner;
 use crate::nats::buckets::Buckets;
+use crate::nats::errors::BrokerError;
 
 /// What to record with a dead letter.
 pub struct DeadLetter<'a> {
@@ -44,11 +45,24 @@ pub fn dead_letter_id(owner: Owner, stream: &str, group: &str, member: &str, seq
     format!("dlq:{}:{stream}:{group}:{member}:{seq}", owner.as_str())
 }
 
+/// Why a dead-letter copy was not stored; the message is then not terminated.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    #[error("the dead-letter stream: {0}")]
+    Stream(#[from] BrokerError),
+    #[error("storing the copy: {0}")]
+    Publish(#[from] async_nats::jetstream::context::PublishError),
+    #[error("reading back the stored copy: {0}")]
+    ReadBack(#[source] async_nats::Error),
+    #[error("the dead-letter stream answered duplicate for {0}, but the stored copy is another message's")]
+    OtherCopy(String),
+}
+
 /// Copies a message to the dead-letter stream and waits for the store. A
 /// `duplicate` answer is accepted only when the copy already stored under
 /// that id is this message's (an earlier attempt stored it, then could not
 /// terminate); anything else is an error and the message is not terminated.
-pub async fn record(buckets: &Buckets, letter: DeadLetter<'_>) -> anyhow::Result<Stored> {
+pub async fn record(buckets: &Buckets, letter: DeadLetter<'_>) -> Result<Stored, RecordError> {
     ensure_stream(buckets).await?;
     let js = buckets.js();
     let mut headers = HeaderMap::new();
@@ -79,7 +93,9 @@ pub async fn record(buckets: &Buckets, letter: DeadLetter<'_>) -> anyhow::Result
     let subject = format!("keygate.dlq.{}.{}.{}", letter.stream, letter.group, letter.member);
     let ack = js.publish_with_headers(subject, headers, letter.payload.clone()).await?.await?;
     if ack.duplicate {
-        let stored = js.get_stream_no_info(DEAD_LETTER_STREAM).await?.get_raw_message(ack.sequence).await?;
+        let read_back = |e: Box<dyn std::error::Error + Send + Sync>| RecordError::ReadBack(e);
+        let handle = js.get_stream_no_info(DEAD_LETTER_STREAM).await.map_err(|e| read_back(e.into()))?;
+        let stored = handle.get_raw_message(ack.sequence).await.map_err(|e| read_back(e.into()))?;
         let header = |name: &str| stored.headers.get(name).map(|v| v.as_str().to_owned());
         // The id names the holder and the sequence; the subject and payload
         // tell this message apart from another one that had the same
@@ -88,15 +104,13 @@ pub async fn record(buckets: &Buckets, letter: DeadLetter<'_>) -> anyhow::Result
             && header(h::SUBJECT).as_deref() == Some(letter.subject)
             && stored.payload == letter.payload;
         if !same {
-            anyhow::bail!(
-                "the dead-letter stream answered duplicate for {id}, but the stored copy is another message's"
-            );
+            return Err(RecordError::OtherCopy(id));
         }
     }
     Ok(Stored { id, seq: ack.sequence })
 }
 
-async fn ensure_stream(buckets: &Buckets) -> Result<(), crate::nats::errors::BrokerError> {
+async fn ensure_stream(buckets: &Buckets) -> Result<(), BrokerError> {
     let config = stream::Config {
         name: DEAD_LETTER_STREAM.into(),
         subjects: vec![DEAD_LETTER_SUBJECTS.into()],

@@ -146,7 +146,7 @@ pub fn read_outputs(
     let mut bytes = 0usize;
     let mut outputs = Vec::with_capacity(publish.len());
     for (index, message) in publish.into_iter().enumerate() {
-        bytes += payload_len(&message).map_err(|why| OutputRefusal::Malformed(format!("output {index}: {why}")))?;
+        bytes += payload_len(&message, index)?;
         let stream =
             declared.iter().find(|d| d.as_str() == message.stream).cloned().ok_or_else(|| {
                 OutputRefusal::Undeclared { index, stream: message.stream.chars().take(64).collect() }
@@ -168,14 +168,16 @@ pub fn output_msg_id(origin_stream: &str, group: &str, origin_seq: u64, index: u
     format!("{origin_stream}:{group}:{origin_seq}:{index}")
 }
 
-fn payload_len(message: &OutputMessage) -> Result<usize, &'static str> {
+/// Output `index`'s payload size.
+fn payload_len(message: &OutputMessage, index: usize) -> Result<usize, OutputRefusal> {
+    let malformed = |why: &str| OutputRefusal::Malformed(format!("output {index}: {why}"));
     match (&message.data, &message.data_base64) {
-        (Some(_), Some(_)) => Err("give data or data_base64, not both"),
+        (Some(_), Some(_)) => Err(malformed("give data or data_base64, not both")),
         (Some(data), None) => Ok(data.get().len()),
         (None, Some(encoded)) => base64::engine::general_purpose::STANDARD
             .decode(encoded)
             .map(|d| d.len())
-            .map_err(|_| "data_base64 is not valid base64"),
+            .map_err(|_| malformed("data_base64 is not valid base64")),
         (None, None) => Ok(0),
     }
 }

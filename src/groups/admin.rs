@@ -370,7 +370,8 @@ impl GroupAdmin {
     /// Removes an elastic group's mappings; `members` become its balanced
     /// members in the same edit. Removing them with no members named is
     /// refused, since it would leave every partition without an owner (and
-    /// members cannot be added while mappings are set).
+    /// members cannot be added while mappings are set). A group without
+    /// mappings is left as it is.
     pub async fn delete_mappings(
         &self,
         stream: &StreamName,
@@ -378,10 +379,12 @@ impl GroupAdmin {
         members: &[MemberName],
     ) -> Result<MembershipView, Error> {
         self.edit_elastic(stream, group, |config| {
+            // Nothing to delete (a retried call finds its own edit done):
+            // the members named only ever take over from mappings.
+            if config.member_mappings.is_empty() {
+                return Ok(());
+            }
             if members.is_empty() {
-                if config.member_mappings.is_empty() {
-                    return Ok(());
-                }
                 return Err(Error::new(
                     Kind::MembershipFixed,
                     format!(

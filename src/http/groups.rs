@@ -375,7 +375,8 @@ pub async fn put_mappings(
 /// Removes an elastic group's mappings; the members named in `members`
 /// become its balanced members in the same edit. Refused (409) while the
 /// group has mappings and no members are named: no partition would have
-/// an owner, and members cannot be added while mappings are set.
+/// an owner, and members cannot be added while mappings are set. A group
+/// without mappings is answered as it stands.
 #[utoipa::path(
     delete,
     path = "/v1/streams/{stream}/groups/{group}/mappings",

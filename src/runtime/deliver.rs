@@ -437,6 +437,18 @@ async fn breaker_step(
     }
 }
 
+/// Why a message was not dead-lettered and terminated.
+#[derive(Debug, thiserror::Error)]
+pub enum DeadLetterFailure {
+    /// Its copy was not stored: it was not terminated either.
+    #[error("storing its dead-letter copy: {0}")]
+    Record(#[from] dead_letters::RecordError),
+    /// The copy is stored; the term was not sent (a redelivery finds the
+    /// copy by its id and terminates then).
+    #[error("terminating: {0}")]
+    Term(#[from] RemoveError),
+}
+
 /// Copies the message to the dead-letter stream, then terminates it: it is
 /// never terminated without its copy stored.
 pub async fn dead_letter_and_term(
@@ -444,7 +456,7 @@ pub async fn dead_letter_and_term(
     who: &MemberRef,
     held: &Delivered,
     reason: &str,
-) -> anyhow::Result<Vec<Event>> {
+) -> Result<Vec<Event>, DeadLetterFailure> {
     let stored = dead_letters::record(
         &ctx.broker.buckets,
         DeadLetter {
@@ -463,7 +475,7 @@ pub async fn dead_letter_and_term(
         },
     )
     .await?;
-    remove(held, Because::DeadLettered(&stored)).await.map_err(|e| anyhow::anyhow!("terminating: {e}"))?;
+    remove(held, Because::DeadLettered(&stored)).await?;
     metrics::counter!(crate::telemetry::metrics::DEAD_LETTERS, "stream" => who.stream.to_string(), "group" => who.group.to_string())
         .increment(1);
     let about = ctx.about(who);

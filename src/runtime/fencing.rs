@@ -6,12 +6,25 @@ use async_nats::jetstream::kv;
 use bytes::Bytes;
 
 use crate::nats::buckets::{BucketSpec, Buckets};
+use crate::nats::errors::BrokerError;
 
 /// KV bucket of fencing counters, key `<stream>.<group>.<member>`.
 pub const FENCING_BUCKET: &str = "keygate-fencing";
 
+/// Why a fencing token could not be raised (the pin then stays with its
+/// token pending and nothing is delivered).
+#[derive(Debug, thiserror::Error)]
+pub enum FencingError {
+    #[error("the fencing bucket: {0}")]
+    Bucket(#[from] BrokerError),
+    #[error("reading the fencing counter: {0}")]
+    Read(#[from] kv::EntryError),
+    #[error("the fencing counter kept changing")]
+    KeptChanging,
+}
+
 /// Raises the member's fencing token and returns the new value.
-pub async fn next_token(buckets: &Buckets, key: &str) -> anyhow::Result<u64> {
+pub async fn next_token(buckets: &Buckets, key: &str) -> Result<u64, FencingError> {
     let store = buckets.open_or_create(BucketSpec::state(FENCING_BUCKET, "keygate: fencing tokens per member")).await?;
     for _ in 0..64 {
         let current = store.entry(key).await?;
@@ -34,5 +47,5 @@ pub async fn next_token(buckets: &Buckets, key: &str) -> anyhow::Result<u64> {
         }
         tokio::time::sleep(std::time::Duration::from_millis(rand::random_range(1..10))).await;
     }
-    anyhow::bail!("the fencing counter kept changing")
+    Err(FencingError::KeptChanging)
 }
