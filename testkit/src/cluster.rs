@@ -160,6 +160,30 @@ impl NatsCluster {
         }
     }
 
+    /// Waits until every replica of each stream is current with its leader:
+    /// a node just restarted catches up first, and killing another node
+    /// before it has would leave the stream without a quorum to write (an
+    /// outage of two nodes, not one).
+    pub async fn wait_current(&self, streams: &[&str]) {
+        let client = async_nats::connect(self.addrs()).await.unwrap();
+        let js = async_nats::jetstream::new(client);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        for stream in streams {
+            loop {
+                let replicas = async {
+                    let mut s = js.get_stream(*stream).await.ok()?;
+                    Some(s.info().await.ok()?.cluster.as_ref()?.replicas.clone())
+                };
+                let replicas = replicas.await.unwrap_or_default();
+                if !replicas.is_empty() && replicas.iter().all(|r| r.current && !r.offline) {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "{stream}'s replicas did not catch up: {replicas:?}");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+
     /// The running node a client connected under `name` is on, if any.
     pub async fn node_serving(&self, name: &str) -> Option<usize> {
         for (i, node) in self.nodes.iter().enumerate().filter(|(_, n)| n.child.is_some()) {
