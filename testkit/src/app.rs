@@ -72,18 +72,22 @@ impl TestApp {
         let task = tokio::spawn(keygate::run(settings, listener, shutdown.clone()));
         let nats = async_nats::connect(url.clone()).await.unwrap();
         let js = async_nats::jetstream::new(nats.clone());
-        let app = Self { nats_server, nats_url: url, base, http: http_client(), nats, js, shutdown, task: Some(task) };
+        let mut app =
+            Self { nats_server, nats_url: url, base, http: http_client(), nats, js, shutdown, task: Some(task) };
         app.wait_ready().await;
         app
     }
 
-    async fn wait_ready(&self) {
+    async fn wait_ready(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             if let Ok(r) = self.http.get(self.url("/readyz")).send().await {
                 if r.status() == 200 {
                     return;
                 }
+            }
+            if let Some(task) = self.task.take_if(|task| task.is_finished()) {
+                panic!("keygate stopped before it became ready: {:?}", task.await);
             }
             assert!(Instant::now() < deadline, "keygate did not become ready");
             tokio::time::sleep(Duration::from_millis(20)).await;

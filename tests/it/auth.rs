@@ -249,8 +249,9 @@ async fn jwks_keys_are_chosen_by_kid_and_issuer_and_audience_are_checked() {
 
 #[tokio::test]
 async fn the_admin_listener_serves_health_and_metrics_and_takes_metrics_off_the_api() {
-    let port = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap().local_addr().unwrap().port();
-    let admin: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+    // A port from the ephemeral range can be taken as an outgoing connection's
+    // source port before keygate binds it (it failed CI once); see free_port.
+    let admin: std::net::SocketAddr = ([127, 0, 0, 1], crate::support::free_port()).into();
     let app = TestApp::start_with(|s| s.admin_listen = Some(admin)).await;
     let admin_url = |path: &str| format!("http://{admin}{path}");
     for path in ["/healthz", "/readyz", "/metrics"] {

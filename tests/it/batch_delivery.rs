@@ -272,7 +272,7 @@ async fn batch_options_are_checked() {
 async fn example_receiver(program: &str, file: &str) {
     let app = TestApp::start().await;
     one_partition(&app).await;
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = crate::support::free_port();
     let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
     let script = format!("{}/examples/batch-receiver/{file}", env!("CARGO_MANIFEST_DIR"));
     let mut child = tokio::process::Command::new(program)
