@@ -352,7 +352,12 @@ async fn keygate_ordered(
 /// over the same backlog.
 struct UserPath {
     rate: f64,
+    /// The most the receiver was answering at once (an instant receiver
+    /// answers in one poll, so this is bounded by its worker threads).
     most_in_flight: u64,
+    /// The most `keygate_deliveries_in_flight` read in keygate's `/metrics`
+    /// (sampled every 20 ms): deliveries keygate had under way at once.
+    most_in_flight_at_keygate: f64,
     cpu_share: f64,
     raw: f64,
 }
@@ -414,8 +419,22 @@ async fn user_path(
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     let (cpu_before, started) = (keygate.cpu_seconds(), Instant::now());
+    let drained = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = {
+        let (http, base, drained) = (http.clone(), base.clone(), drained.clone());
+        tokio::spawn(async move {
+            let mut most: f64 = 0.0;
+            while !drained.load(Ordering::Relaxed) {
+                most = most.max(support::metric_at(&http, &base, "keygate_deliveries_in_flight").await);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            most
+        })
+    };
     sink.wait_for(keys.len() as u64, Duration::from_secs(600)).await;
     let cpu_share = (keygate.cpu_seconds() - cpu_before) / started.elapsed().as_secs_f64();
+    drained.store(true, Ordering::Relaxed);
+    let most_in_flight_at_keygate = sampler.await.unwrap();
     assert_eq!(sink.reorders.load(Ordering::Relaxed), 0, "no per-key reorder");
     if let Some(target) = outputs {
         let view: Value = http.get(format!("{base}/v1/streams/{target}")).send().await.unwrap().json().await.unwrap();
@@ -434,6 +453,7 @@ async fn user_path(
     UserPath {
         rate: sink.rate(),
         most_in_flight: sink.most_in_flight.load(Ordering::Relaxed),
+        most_in_flight_at_keygate,
         cpu_share,
         raw: raw_sink.rate(),
     }
@@ -634,10 +654,12 @@ async fn main() -> anyhow::Result<()> {
         let user = user_path(&http, work, &uniform, &ordering, None).await;
         let baseline = if ordering == "key" { "raw, 256 in flight" } else { "raw partition-serial, member's filters" };
         println!(
-            "{ordering} ordering, user's path, receiver work {} ms: keygate {:.0} msg/s ({} at most in flight at the \
-             receiver, keygate at {:.0}% of a core), {baseline} {:.0} msg/s, ratio {:.2}x",
+            "{ordering} ordering, user's path, receiver work {} ms: keygate {:.0} msg/s (at most {} deliveries in \
+             flight at keygate, {} requests answered at once by the receiver, keygate at {:.0}% of a core), \
+             {baseline} {:.0} msg/s, ratio {:.2}x",
             work.as_millis(),
             user.rate,
+            user.most_in_flight_at_keygate,
             user.most_in_flight,
             user.cpu_share * 100.0,
             user.raw,

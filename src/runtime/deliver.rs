@@ -104,11 +104,28 @@ pub struct DeliveryMetrics {
     redeliveries: metrics::Counter,
     /// By verdict: ack, nak, term.
     deliveries: [metrics::Counter; 3],
+    in_flight: metrics::Gauge,
+}
+
+/// Messages counted in `keygate_deliveries_in_flight` until dropped.
+struct InFlight<'a>(&'a metrics::Gauge, f64);
+
+impl<'a> InFlight<'a> {
+    fn count(gauge: &'a metrics::Gauge, messages: usize) -> Self {
+        gauge.increment(messages as f64);
+        Self(gauge, messages as f64)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.decrement(self.1);
+    }
 }
 
 impl DeliveryMetrics {
     pub fn of(who: &MemberRef) -> Self {
-        use crate::telemetry::metrics::{DELIVERIES, ENDPOINT_SECONDS, REDELIVERIES};
+        use crate::telemetry::metrics::{DELIVERIES, DELIVERIES_IN_FLIGHT, ENDPOINT_SECONDS, REDELIVERIES};
         let labels = [("stream", who.stream.to_string()), ("group", who.group.to_string())];
         let with_verdict = |verdict: &'static str| {
             let mut labels = labels.to_vec();
@@ -119,6 +136,7 @@ impl DeliveryMetrics {
             endpoint_seconds: metrics::histogram!(ENDPOINT_SECONDS, &labels),
             redeliveries: metrics::counter!(REDELIVERIES, &labels),
             deliveries: [with_verdict("ack"), with_verdict("nak"), with_verdict("term")],
+            in_flight: metrics::gauge!(DELIVERIES_IN_FLIGHT, &labels),
         }
     }
 }
@@ -151,6 +169,7 @@ pub async fn deliver(
     if let Some(origin) = TraceContext::from_message(held.message.headers.as_ref()) {
         origin.parent_of(&span);
     }
+    let _in_flight = InFlight::count(&metrics.in_flight, 1);
     let called = std::time::Instant::now();
     let mut events = Vec::new();
     let (judgement, outputs) = match &*endpoint {
@@ -289,6 +308,7 @@ pub async fn deliver_batch(
 ) -> BatchOutcome {
     let span = tracing::info_span!("deliver_batch", "otel.kind" = "client", stream = %who.stream, group = %who.group,
         member = %who.member, messages = batch.len(), endpoint_ms = tracing::field::Empty);
+    let _in_flight = InFlight::count(&metrics.in_flight, batch.len());
     let mut events = Vec::new();
     let called = std::time::Instant::now();
     let judged = match &*endpoint {

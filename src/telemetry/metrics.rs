@@ -12,6 +12,9 @@ pub const PUBLISHED: &str = "keygate_publish_messages_total";
 pub const PUBLISH_SECONDS: &str = "keygate_publish_request_duration_seconds";
 /// Webhook deliveries by verdict (`ack`, `nak`, `term`).
 pub const DELIVERIES: &str = "keygate_deliveries_total";
+/// Messages handed to an endpoint (webhook, WebSocket or pull client) whose
+/// verdict is not applied yet: how much of the pipeline is busy at once.
+pub const DELIVERIES_IN_FLIGHT: &str = "keygate_deliveries_in_flight";
 /// Time an endpoint took to answer a delivery.
 pub const ENDPOINT_SECONDS: &str = "keygate_endpoint_duration_seconds";
 /// Deliveries that were not a message's first attempt.

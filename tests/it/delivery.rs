@@ -519,6 +519,33 @@ async fn metrics_count_publishes_deliveries_and_requests_with_bounded_labels() {
     assert!(!text.contains("user 1"), "keys never become labels");
 }
 
+#[tokio::test]
+async fn the_in_flight_gauge_counts_deliveries_under_way_and_returns_to_zero() {
+    let app = TestApp::start().await;
+    let receiver = Receiver::start(|_, _| Answer::ok().after(Duration::from_secs(1))).await;
+    setup(&app, &receiver, json!({})).await;
+    // Two messages on each partition (a key per partition).
+    let mut keys: HashMap<u32, String> = HashMap::new();
+    for n in 0.. {
+        let key = format!("user-{n}");
+        keys.entry(keygate::partition::partition_of_tokens([key.as_str()], PARTITIONS)).or_insert(key);
+        if keys.len() == PARTITIONS as usize {
+            break;
+        }
+    }
+    let messages: Vec<(String, u64)> = keys.values().flat_map(|k| [(k.clone(), 0), (k.clone(), 1)]).collect();
+    let published = publish(&app, &messages).await;
+    // Partition ordering: one delivery per partition at a time, each held 1 s.
+    let open = || receiver.requests().iter().filter(|r| r.answered.is_none()).count();
+    eventually(Duration::from_secs(5), || async { (open() == PARTITIONS as usize).then_some(()) }).await;
+    assert_eq!(app.metric("keygate_deliveries_in_flight").await, PARTITIONS as f64);
+    all_acked(&receiver, &published, &[], Duration::from_secs(20)).await;
+    eventually(Duration::from_secs(5), || async {
+        (app.metric("keygate_deliveries_in_flight").await == 0.0).then_some(())
+    })
+    .await;
+}
+
 /// The value of one sample line `name{labels} value` in a Prometheus text page.
 fn sample(text: &str, series: &str) -> Option<f64> {
     text.lines().find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
