@@ -21,6 +21,12 @@
  * @property {string} [subject] A subject (or pattern) other than the stream's own.
  */
 /**
+ * A message to publish before an ack (docs/pipelines.md): an outgoing
+ * message without `msgId` (keygate derives it from the message acked),
+ * and the stream, one of the `outputs` the connection declared.
+ * @typedef {Omit<OutgoingMessage, "msgId"> & { stream: string }} OutputMessage
+ */
+/**
  * @typedef {object} PublishAck
  * @property {string} stream
  * @property {number} seq
@@ -55,6 +61,8 @@
  * @property {number} [batchWaitMs] With `batch`: how long a frame that is
  *   not full waits for more messages (0–10000, default 0).
  * @property {number} [maxAttempts] Deliveries before a message is dead-lettered.
+ * @property {string[]} [outputs] Streams this connection's acks may publish
+ *   to (`message.ack({ publish })`; needs `publish:<stream>` for each).
  * @property {(pin: PinInfo) => void} [onPinned] This connection holds the member's pin.
  * @property {(pin: PinInfo) => void} [onStandby] Another instance holds it; this one waits.
  * @property {(partitions: number[]) => void} [onAssigned]
@@ -118,8 +126,15 @@ export class Message {
     private connection;
     /** @private */
     private batch;
-    /** Done: the key's next message may come. */
-    ack(): void;
+    /**
+     * Done: the key's next message may come. With `publish`, keygate first
+     * stores those messages (each with an id derived from this message, so a
+     * redelivery's are dropped as duplicates), then acks.
+     * @param {{ publish?: OutputMessage[] }} [options]
+     */
+    ack(options?: {
+        publish?: OutputMessage[];
+    }): void;
     /**
      * Not now: redeliver after `delayMs` (at most 15 minutes); the key waits.
      * @param {number} [delayMs]
@@ -259,7 +274,7 @@ export class KeygateClient {
     /**
      * @private
      * @param {string[]} segments Under `/v1/streams/`, before `/ws`.
-     * @param {Record<string, number | undefined>} query
+     * @param {Record<string, number | string | undefined>} query
      * @param {JoinOptions} options
      * @returns {Membership}
      */
@@ -319,6 +334,14 @@ export type OutgoingMessage = {
      */
     subject?: string | undefined;
 };
+/**
+ * A message to publish before an ack (docs/pipelines.md): an outgoing
+ * message without `msgId` (keygate derives it from the message acked),
+ * and the stream, one of the `outputs` the connection declared.
+ */
+export type OutputMessage = Omit<OutgoingMessage, "msgId"> & {
+    stream: string;
+};
 export type PublishAck = {
     stream: string;
     seq: number;
@@ -369,6 +392,11 @@ export type JoinOptions = {
      * Deliveries before a message is dead-lettered.
      */
     maxAttempts?: number | undefined;
+    /**
+     * Streams this connection's acks may publish
+     * to (`message.ack({ publish })`; needs `publish:<stream>` for each).
+     */
+    outputs?: string[] | undefined;
     /**
      * This connection holds the member's pin.
      */
@@ -431,6 +459,7 @@ export type ItemVerdict = {
     id: string;
     status: "ack" | "retry" | "dead";
     delay_ms?: number;
+    publish?: Record<string, unknown>[];
 };
 /**
  * One WebSocket of a membership. Verdicts for messages of an older
@@ -443,7 +472,7 @@ declare class Connection {
     /** @type {WebSocket} */
     socket: WebSocket;
     /**
-     * @param {{ type: string, id?: string, delay_ms?: number, results?: ItemVerdict[] }} frame
+     * @param {{ type: string, id?: string, delay_ms?: number, results?: ItemVerdict[], publish?: Record<string, unknown>[] }} frame
      * @param {string} [id] The message the frame answers, for `ConnectionLost`.
      */
     send(frame: {
@@ -451,9 +480,10 @@ declare class Connection {
         id?: string;
         delay_ms?: number;
         results?: ItemVerdict[];
+        publish?: Record<string, unknown>[];
     }, id?: string): void;
 }
-/** @typedef {{ id: string, status: "ack" | "retry" | "dead", delay_ms?: number }} ItemVerdict */
+/** @typedef {{ id: string, status: "ack" | "retry" | "dead", delay_ms?: number, publish?: Record<string, unknown>[] }} ItemVerdict */
 /**
  * The verdicts of one `batch` frame's messages, sent back in one
  * `results` frame once every message has one (keygate settles the batch

@@ -31,6 +31,13 @@
  */
 
 /**
+ * A message to publish before an ack (docs/pipelines.md): an outgoing
+ * message without `msgId` (keygate derives it from the message acked),
+ * and the stream, one of the `outputs` the connection declared.
+ * @typedef {Omit<OutgoingMessage, "msgId"> & { stream: string }} OutputMessage
+ */
+
+/**
  * @typedef {object} PublishAck
  * @property {string} stream
  * @property {number} seq
@@ -69,6 +76,8 @@
  * @property {number} [batchWaitMs] With `batch`: how long a frame that is
  *   not full waits for more messages (0–10000, default 0).
  * @property {number} [maxAttempts] Deliveries before a message is dead-lettered.
+ * @property {string[]} [outputs] Streams this connection's acks may publish
+ *   to (`message.ack({ publish })`; needs `publish:<stream>` for each).
  * @property {(pin: PinInfo) => void} [onPinned] This connection holds the member's pin.
  * @property {(pin: PinInfo) => void} [onStandby] Another instance holds it; this one waits.
  * @property {(partitions: number[]) => void} [onAssigned]
@@ -141,10 +150,16 @@ export class Message {
     this.batch = batch;
   }
 
-  /** Done: the key's next message may come. */
-  ack() {
-    if (this.batch) this.batch.settle({ id: this.id, status: "ack" });
-    else this.connection.send({ type: "ack", id: this.id });
+  /**
+   * Done: the key's next message may come. With `publish`, keygate first
+   * stores those messages (each with an id derived from this message, so a
+   * redelivery's are dropped as duplicates), then acks.
+   * @param {{ publish?: OutputMessage[] }} [options]
+   */
+  ack(options = {}) {
+    const outputs = options.publish === undefined ? {} : { publish: options.publish.map(output) };
+    if (this.batch) this.batch.settle({ id: this.id, status: "ack", ...outputs });
+    else this.connection.send({ type: "ack", id: this.id, ...outputs });
   }
 
   /**
@@ -197,7 +212,7 @@ class Connection {
   }
 
   /**
-   * @param {{ type: string, id?: string, delay_ms?: number, results?: ItemVerdict[] }} frame
+   * @param {{ type: string, id?: string, delay_ms?: number, results?: ItemVerdict[], publish?: Record<string, unknown>[] }} frame
    * @param {string} [id] The message the frame answers, for `ConnectionLost`.
    */
   send(frame, id = frame.id) {
@@ -206,7 +221,7 @@ class Connection {
   }
 }
 
-/** @typedef {{ id: string, status: "ack" | "retry" | "dead", delay_ms?: number }} ItemVerdict */
+/** @typedef {{ id: string, status: "ack" | "retry" | "dead", delay_ms?: number, publish?: Record<string, unknown>[] }} ItemVerdict */
 
 /**
  * The verdicts of one `batch` frame's messages, sent back in one
@@ -484,6 +499,7 @@ export class KeygateClient {
       max_attempts: options.maxAttempts,
       batch: options.batch,
       batch_wait_ms: options.batchWaitMs,
+      outputs: options.outputs?.join(","),
     };
     return this.socket([stream, "groups", group, "members", member], query, options);
   }
@@ -508,6 +524,7 @@ export class KeygateClient {
       max_attempts: options.maxAttempts,
       batch: options.batch,
       batch_wait_ms: options.batchWaitMs,
+      outputs: options.outputs?.join(","),
     };
     return this.socket([stream, "consumers", consumer, "subscribers", subscriber], query, options);
   }
@@ -515,7 +532,7 @@ export class KeygateClient {
   /**
    * @private
    * @param {string[]} segments Under `/v1/streams/`, before `/ws`.
-   * @param {Record<string, number | undefined>} query
+   * @param {Record<string, number | string | undefined>} query
    * @param {JoinOptions} options
    * @returns {Membership}
    */
@@ -530,6 +547,14 @@ export class KeygateClient {
     const url = `${this.base.replace(/^http/, "ws")}/v1/streams/${path}/ws${tail}`;
     return new Membership(url, () => this.token(), this.Socket, options);
   }
+}
+
+/**
+ * The API's shape of an output: a message's, with its stream.
+ * @param {OutputMessage} m
+ */
+function output(m) {
+  return { stream: m.stream, ...wire(m) };
 }
 
 /**

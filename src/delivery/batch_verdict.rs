@@ -16,17 +16,24 @@ use std::time::{Duration, SystemTime};
 
 use serde::Deserialize;
 
+use super::outputs::OutputMessage;
 use super::verdict::{judge, Judgement, Response, RetryPolicy, Verdict};
 
 /// Most bytes of a batch answer keygate reads: a result per message of the
 /// largest batch (1,000) fits many times over.
 pub const MAX_BATCH_ANSWER: usize = 1024 * 1024;
+/// Most bytes of a batch answer read when the registration declares
+/// outputs (docs/pipelines.md): each message's results may carry its own.
+pub const MAX_BATCH_OUTPUTS_ANSWER: usize = 8 * 1024 * 1024;
 
 /// The verdicts of one batched call.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BatchJudgement {
     /// One per message, in the order of the ids judged.
     pub items: Vec<Judgement>,
+    /// The `publish` list of each message's `ack` result, when it has one
+    /// (docs/pipelines.md); empty when no result carried one.
+    pub publish: Vec<Option<Vec<OutputMessage>>>,
     /// The call failed as a whole (what a circuit breaker counts).
     pub failed: bool,
     /// 410 Gone: stop serving this member at this URL.
@@ -48,6 +55,17 @@ pub(crate) struct ItemResult {
     pub status: ItemStatus,
     #[serde(default)]
     pub delay_ms: Option<u64>,
+    /// With `ack`: messages to publish before it (docs/pipelines.md).
+    #[serde(default)]
+    pub publish: Option<Vec<OutputMessage>>,
+}
+
+impl ItemResult {
+    /// Outputs belong to an ack: with a retry or a dead verdict they would
+    /// be published for a message that is not done.
+    pub fn publish_without_ack(&self) -> bool {
+        self.publish.is_some() && !matches!(self.status, ItemStatus::Ack)
+    }
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]
@@ -66,6 +84,7 @@ pub fn judge_batch(response: &Response<'_>, ids: &[&str], now: SystemTime, polic
         failed: judgement.failed,
         gone: judgement.gone,
         items: vec![judgement; ids.len()],
+        publish: Vec::new(),
     };
     let (status, body) = match response {
         Response::Http { status, keygate_ack: None, body, .. } => (*status, *body),
@@ -84,7 +103,7 @@ pub fn judge_batch(response: &Response<'_>, ids: &[&str], now: SystemTime, polic
         return all(whole);
     }
     match results(body, ids, policy.max_retry_after) {
-        Ok(items) => BatchJudgement { items, failed: false, gone: false },
+        Ok((items, publish)) => BatchJudgement { items, publish, failed: false, gone: false },
         Err(why) => all(Judgement {
             verdict: Verdict::Nak { delay: None },
             gone: false,
@@ -107,15 +126,26 @@ enum UnusableAnswer {
     TwoResults(String),
     #[error("results for {answered} of the batch's {size} messages (every message needs one)")]
     Incomplete { answered: usize, size: usize },
+    #[error("result for {0:?} carries a publish list with a status other than ack")]
+    PublishWithoutAck(String),
 }
 
-/// Each message's verdict from a `{"results":[…]}` body, or why the body
-/// cannot settle this batch.
-fn results(body: &[u8], ids: &[&str], max_delay: Duration) -> Result<Vec<Judgement>, UnusableAnswer> {
+/// Each message's verdict (and `publish` list) from a `{"results":[…]}`
+/// body, or why the body cannot settle this batch.
+#[allow(clippy::type_complexity)]
+fn results(
+    body: &[u8],
+    ids: &[&str],
+    max_delay: Duration,
+) -> Result<(Vec<Judgement>, Vec<Option<Vec<OutputMessage>>>), UnusableAnswer> {
     let answer: BatchAnswer = serde_json::from_slice(body).map_err(UnusableAnswer::NotResults)?;
     let position: HashMap<&str, usize> = ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
     let mut items: Vec<Option<Judgement>> = vec![None; ids.len()];
+    let mut publish: Vec<Option<Vec<OutputMessage>>> = vec![None; ids.len()];
     for result in answer.results {
+        if result.publish_without_ack() {
+            return Err(UnusableAnswer::PublishWithoutAck(truncated(&result.id)));
+        }
         let Some(&at) = position.get(result.id.as_str()) else {
             return Err(UnusableAnswer::UnknownId(truncated(&result.id)));
         };
@@ -131,12 +161,13 @@ fn results(body: &[u8], ids: &[&str], max_delay: Duration) -> Result<Vec<Judgeme
         };
         let reason = format!("the batch answer's result: {word}");
         items[at] = Some(Judgement { verdict, gone: false, failed: false, reason });
+        publish[at] = result.publish;
     }
     let answered = items.iter().filter(|i| i.is_some()).count();
     if answered != ids.len() {
         return Err(UnusableAnswer::Incomplete { answered, size: ids.len() });
     }
-    Ok(items.into_iter().flatten().collect())
+    Ok((items.into_iter().flatten().collect(), publish))
 }
 
 /// An id from an answer, short enough for a reason.

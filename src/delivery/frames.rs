@@ -10,6 +10,7 @@ use serde_json::value::RawValue;
 
 use super::batch_verdict::{ItemResult, ItemStatus};
 use super::message::{forwardable, Delivered};
+use super::outputs::OutputMessage;
 use crate::events::Event;
 use crate::names::MemberRef;
 
@@ -80,21 +81,79 @@ pub struct MessageFrame {
 }
 
 /// What the client sends (and, for pull clients, what one replica
-/// forwards to the replica that delivered the message).
+/// forwards to the replica that delivered the message). Read through
+/// [`FrameFields`]: serde reads an internally tagged enum from a buffered
+/// copy of its fields, from which an output's payload (kept as the text
+/// given, a `RawValue`) cannot be read.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+#[serde(tag = "type", rename_all = "snake_case", try_from = "FrameFields")]
 pub enum ClientFrame {
-    Ack { id: String },
-    Nak { id: String, delay_ms: Option<u64> },
-    Term { id: String },
-    Progress { id: String },
+    Ack {
+        id: String,
+        /// Messages to publish before the ack, as a pipeline stage's
+        /// webhook answers them (docs/pipelines.md).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        publish: Option<Vec<OutputMessage>>,
+    },
+    Nak {
+        id: String,
+        delay_ms: Option<u64>,
+    },
+    Term {
+        id: String,
+    },
+    Progress {
+        id: String,
+    },
+}
+
+/// A verdict frame's fields as sent, before they are checked to fit its type.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FrameFields {
+    #[serde(rename = "type")]
+    kind: FrameKind,
+    id: String,
+    #[serde(default)]
+    delay_ms: Option<u64>,
+    #[serde(default)]
+    publish: Option<Vec<OutputMessage>>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum FrameKind {
+    Ack,
+    Nak,
+    Term,
+    Progress,
+}
+
+impl TryFrom<FrameFields> for ClientFrame {
+    type Error = &'static str;
+
+    fn try_from(fields: FrameFields) -> Result<Self, Self::Error> {
+        let FrameFields { kind, id, delay_ms, publish } = fields;
+        if delay_ms.is_some() && !matches!(kind, FrameKind::Nak) {
+            return Err("delay_ms belongs to a nak");
+        }
+        if publish.is_some() && !matches!(kind, FrameKind::Ack) {
+            return Err("publish belongs to an ack");
+        }
+        Ok(match kind {
+            FrameKind::Ack => Self::Ack { id, publish },
+            FrameKind::Nak => Self::Nak { id, delay_ms },
+            FrameKind::Term => Self::Term { id },
+            FrameKind::Progress => Self::Progress { id },
+        })
+    }
 }
 
 impl ClientFrame {
     /// The delivery it names: a message id on a WebSocket, an ack id from a fetch.
     pub fn id(&self) -> &str {
         match self {
-            Self::Ack { id } | Self::Nak { id, .. } | Self::Term { id } | Self::Progress { id } => id,
+            Self::Ack { id, .. } | Self::Nak { id, .. } | Self::Term { id } | Self::Progress { id } => id,
         }
     }
 }
@@ -103,7 +162,7 @@ impl From<ItemResult> for ClientFrame {
     fn from(result: ItemResult) -> Self {
         let id = result.id;
         match result.status {
-            ItemStatus::Ack => Self::Ack { id },
+            ItemStatus::Ack => Self::Ack { id, publish: result.publish },
             ItemStatus::Retry => Self::Nak { id, delay_ms: result.delay_ms },
             ItemStatus::Dead => Self::Term { id },
         }
@@ -113,10 +172,19 @@ impl From<ItemResult> for ClientFrame {
 /// Verdicts for several messages in one WebSocket frame, in the shape a
 /// batched webhook answers: `{"type":"results","results":[{"id","status":
 /// "ack"|"retry"|"dead","delay_ms"}]}`.
+/// A plain struct, not a tagged enum, for the reason [`ClientFrame`] says.
 #[derive(Debug, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
-enum ResultsFrame {
-    Results { results: Vec<ItemResult> },
+#[serde(deny_unknown_fields)]
+struct ResultsFrame {
+    #[serde(rename = "type")]
+    _kind: ResultsKind,
+    results: Vec<ItemResult>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum ResultsKind {
+    Results,
 }
 
 /// The verdicts a WebSocket client's text frame carries: one (`ack`,
@@ -127,7 +195,13 @@ pub fn client_frames(text: &str) -> Result<Vec<ClientFrame>, serde_json::Error> 
         Err(e) => e,
     };
     match serde_json::from_str::<ResultsFrame>(text) {
-        Ok(ResultsFrame::Results { results }) => Ok(results.into_iter().map(ClientFrame::from).collect()),
+        Ok(ResultsFrame { results, .. }) => match results.iter().find(|r| r.publish_without_ack()) {
+            Some(result) => Err(serde::de::Error::custom(format!(
+                "result for {:?} carries a publish list with a status other than ack",
+                result.id.chars().take(64).collect::<String>()
+            ))),
+            None => Ok(results.into_iter().map(ClientFrame::from).collect()),
+        },
         // Not a results frame either: the single verdict's complaint is the
         // one that helps.
         Err(_) if !text.contains("\"results\"") => Err(one),
@@ -188,7 +262,13 @@ mod tests {
     #[test]
     fn client_frames_parse_as_the_protocol_names_them() {
         let parse = |s: &str| serde_json::from_str::<ClientFrame>(s);
-        assert_eq!(parse(r#"{"type":"ack","id":"S-1"}"#).unwrap(), ClientFrame::Ack { id: "S-1".into() });
+        assert_eq!(
+            parse(r#"{"type":"ack","id":"S-1"}"#).unwrap(),
+            ClientFrame::Ack { id: "S-1".into(), publish: None }
+        );
+        let with_outputs = parse(r#"{"type":"ack","id":"S-1","publish":[{"stream":"P","key":"k","data":{"n":1}}]}"#);
+        let Ok(ClientFrame::Ack { publish: Some(publish), .. }) = with_outputs else { panic!("{with_outputs:?}") };
+        assert_eq!((publish[0].stream.as_str(), publish[0].data.as_ref().unwrap().get()), ("P", r#"{"n":1}"#));
         assert_eq!(
             parse(r#"{"type":"nak","id":"S-1","delay_ms":500}"#).unwrap(),
             ClientFrame::Nak { id: "S-1".into(), delay_ms: Some(500) }
@@ -214,12 +294,15 @@ mod tests {
         assert_eq!(
             frames,
             vec![
-                ClientFrame::Ack { id: "S-1".into() },
+                ClientFrame::Ack { id: "S-1".into(), publish: None },
                 ClientFrame::Nak { id: "S-2".into(), delay_ms: Some(500) },
                 ClientFrame::Term { id: "S-3".into() },
             ]
         );
-        assert_eq!(client_frames(r#"{"type":"ack","id":"S-1"}"#).unwrap(), vec![ClientFrame::Ack { id: "S-1".into() }]);
+        assert_eq!(
+            client_frames(r#"{"type":"ack","id":"S-1"}"#).unwrap(),
+            vec![ClientFrame::Ack { id: "S-1".into(), publish: None }]
+        );
         let complaint = |s: &str| client_frames(s).unwrap_err().to_string();
         assert!(complaint(r#"{"type":"results","results":[{"id":"S-1","status":"maybe"}]}"#).contains("maybe"));
         assert!(complaint(r#"{"type":"results","results":[],"extra":1}"#).contains("extra"));

@@ -12,10 +12,11 @@
 use std::collections::BTreeMap;
 
 use base64::Engine as _;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use utoipa::ToSchema;
 
+use super::verdict::{Judgement, Verdict};
 use crate::names::StreamName;
 use crate::publish::{HeaderValues, PublishRequest};
 
@@ -33,32 +34,49 @@ pub const MAX_OUTPUT_STREAMS: usize = 16;
 /// a publish request (`POST /v1/streams/{stream}/messages`) and the stream.
 /// Its `msg_id` is not the endpoint's to choose: keygate derives it from
 /// the message delivered ([`output_msg_id`]).
-#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct OutputMessage {
     /// The stream to publish to; one of the registration's `outputs`.
     #[schema(example = "PAYMENTS")]
     pub stream: String,
     /// The message key (its partition and order in the target stream).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key: Option<String>,
     /// A literal subject, or a pattern with one `*` the key fills.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub subject: Option<String>,
     /// The payload as JSON, any value.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<serde_json::Value>)]
     pub data: Option<Box<RawValue>>,
     /// Or the payload as base64 bytes.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data_base64: Option<String>,
     /// Content type recorded with the payload (default `application/json` for `data`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub content_type: Option<String>,
     /// Message headers: a string or an array of strings per name.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub headers: Option<BTreeMap<String, HeaderValues>>,
 }
+
+/// Equal when every field is, a JSON payload compared as the text given
+/// (`RawValue` has no equality of its own).
+impl PartialEq for OutputMessage {
+    fn eq(&self, other: &Self) -> bool {
+        let data = |m: &Self| m.data.as_ref().map(|d| d.get().to_owned());
+        self.stream == other.stream
+            && self.key == other.key
+            && self.subject == other.subject
+            && data(self) == data(other)
+            && self.data_base64 == other.data_base64
+            && self.content_type == other.content_type
+            && self.headers == other.headers
+    }
+}
+
+impl Eq for OutputMessage {}
 
 /// What a webhook endpoint may answer (a 2xx with `content-type:
 /// application/json`) to have keygate publish messages before it acks the
@@ -107,26 +125,26 @@ pub enum OutputRefusal {
     TooMany(usize),
     #[error("the answer's outputs carry {0} payload bytes; at most {MAX_OUTPUT_BYTES} are allowed")]
     TooLarge(usize),
-    #[error("output {index} names stream {stream:?}, which this registration does not declare in its outputs")]
+    #[error("output {index} names stream {stream:?}, which is not among the declared outputs")]
     Undeclared { index: usize, stream: String },
 }
 
-/// What a 2xx answer asks to publish: `Ok(vec![])` when it asks nothing
-/// (no JSON, no `publish` member). `truncated` says the body was cut at
-/// the read limit; `declared` are the registration's `outputs`.
+/// The `publish` list a 2xx answer carries: `Ok(None)` when it asks
+/// nothing (no JSON, no `publish` member). `truncated` says the body was
+/// cut at the read limit. [`checked`] holds the list to the declared
+/// streams and the limits.
 pub fn read_outputs(
     content_type: Option<&str>,
     body: &[u8],
     truncated: bool,
-    declared: &[StreamName],
-) -> Result<Vec<Output>, OutputRefusal> {
+) -> Result<Option<Vec<OutputMessage>>, OutputRefusal> {
     let is_json = content_type.is_some_and(|t| {
         let essence = t.split(';').next().unwrap_or_default().trim();
         essence.eq_ignore_ascii_case("application/json")
     });
     // Answers without outputs are the common case: they cost one scan.
     if !is_json || !contains(body, b"\"publish\"") {
-        return Ok(Vec::new());
+        return Ok(None);
     }
     if truncated {
         return Err(OutputRefusal::AnswerTooLarge);
@@ -136,10 +154,39 @@ pub fn read_outputs(
         // Valid JSON that only mentions "publish" somewhere (in a string,
         // a nested object) is not an outputs answer; a body that is not
         // valid JSON may be one cut short, and is refused.
-        Err(_) if is_json_without_publish(body) => return Ok(Vec::new()),
+        Err(_) if is_json_without_publish(body) => return Ok(None),
         Err(e) => return Err(OutputRefusal::Malformed(e.to_string())),
     };
-    let publish = answer.publish;
+    Ok(Some(answer.publish))
+}
+
+/// A verdict and the `publish` list that came with it (a WebSocket or
+/// pull client's ack, a batch answer's result) made into the verdict to
+/// apply and the outputs to store first. A list that cannot be published
+/// whole turns the ack into a retry with the reason, as a webhook's
+/// answer does (`webhook/client.rs`); a list with any other verdict is
+/// refused by the frame or answer that carried it.
+pub fn with_outputs(
+    judgement: Judgement,
+    publish: Option<Vec<OutputMessage>>,
+    declared: &[StreamName],
+) -> (Judgement, Vec<Output>) {
+    match publish {
+        Some(publish) if judgement.verdict == Verdict::Ack => match checked(publish, declared) {
+            Ok(outputs) => (judgement, outputs),
+            Err(refusal) => {
+                let reason = format!("{}, but {refusal}", judgement.reason);
+                (Judgement { verdict: Verdict::Nak { delay: None }, reason, ..judgement }, Vec::new())
+            }
+        },
+        _ => (judgement, Vec::new()),
+    }
+}
+
+/// A `publish` list (a webhook's answer, or a WebSocket or pull client's
+/// ack) held to the declared streams and to the limits: all of it, or a
+/// refusal and nothing.
+pub fn checked(publish: Vec<OutputMessage>, declared: &[StreamName]) -> Result<Vec<Output>, OutputRefusal> {
     if publish.len() > MAX_OUTPUTS {
         return Err(OutputRefusal::TooMany(publish.len()));
     }
@@ -203,8 +250,18 @@ mod tests {
         vec![StreamName::parse("PAYMENTS").unwrap(), StreamName::parse("AUDIT").unwrap()]
     }
 
+    /// An answer read and checked against `declared` (nothing asked: no outputs).
+    fn read_with(
+        content_type: Option<&str>,
+        body: &[u8],
+        truncated: bool,
+        declared: &[StreamName],
+    ) -> Result<Vec<Output>, OutputRefusal> {
+        checked(read_outputs(content_type, body, truncated)?.unwrap_or_default(), declared)
+    }
+
     fn read(body: &str) -> Result<Vec<Output>, OutputRefusal> {
-        read_outputs(Some("application/json"), body.as_bytes(), false, &declared())
+        read_with(Some("application/json"), body.as_bytes(), false, &declared())
     }
 
     #[test]
@@ -214,9 +271,9 @@ mod tests {
         {
             assert!(read(body).unwrap().is_empty(), "{body}");
         }
-        let not_json = read_outputs(Some("text/plain"), br#"{"publish":[{"stream":"X"}]}"#, false, &declared());
+        let not_json = read_with(Some("text/plain"), br#"{"publish":[{"stream":"X"}]}"#, false, &declared());
         assert!(not_json.unwrap().is_empty());
-        let none = read_outputs(None, br#"{"publish":[{"stream":"X"}]}"#, false, &declared());
+        let none = read_with(None, br#"{"publish":[{"stream":"X"}]}"#, false, &declared());
         assert!(none.unwrap().is_empty());
         assert!(read(r#"{"publish":[]}"#).unwrap().is_empty());
     }
@@ -232,7 +289,7 @@ mod tests {
         assert_eq!(outputs[0].stream.as_str(), "PAYMENTS");
         assert_eq!(outputs[0].request().key.as_deref(), Some("alice"));
         assert_eq!(outputs[1].stream.as_str(), "AUDIT");
-        let with_charset = read_outputs(
+        let with_charset = read_with(
             Some("Application/JSON; charset=utf-8"),
             br#"{"publish":[{"stream":"AUDIT"}]}"#,
             false,
@@ -261,9 +318,9 @@ mod tests {
         let large =
             format!(r#"{{"publish":[{{"stream":"AUDIT","data":"{big}"}},{{"stream":"AUDIT","data":"{big}"}}]}}"#);
         assert!(matches!(read(&large), Err(OutputRefusal::TooLarge(_))));
-        let cut = read_outputs(Some("application/json"), br#"{"publish":[{"stream":"AUDIT"}]}"#, true, &declared());
+        let cut = read_with(Some("application/json"), br#"{"publish":[{"stream":"AUDIT"}]}"#, true, &declared());
         assert_eq!(cut.unwrap_err(), OutputRefusal::AnswerTooLarge);
-        let none_declared = read_outputs(Some("application/json"), br#"{"publish":[{"stream":"AUDIT"}]}"#, false, &[]);
+        let none_declared = read_with(Some("application/json"), br#"{"publish":[{"stream":"AUDIT"}]}"#, false, &[]);
         assert!(matches!(none_declared, Err(OutputRefusal::Undeclared { .. })));
     }
 

@@ -20,9 +20,8 @@ use tokio_util::sync::CancellationToken;
 use super::frames::{message_frame, ClientFrame, MessageFrame, ServerFrame};
 use super::message::Held;
 use super::verdict::Backoff;
-use super::verdict::Judgement;
-use super::websocket::client_judgement;
-use crate::names::MemberRef;
+use super::websocket::{client_judgement, ClientAnswer};
+use crate::names::{MemberRef, StreamName};
 
 /// Hex digits naming the replica at the start of every ack id.
 pub const REPLICA_TAG_LEN: usize = 16;
@@ -89,6 +88,8 @@ pub struct PullEndpoint {
     pub max_attempts: u64,
     pub backoff: Backoff,
     pub max_in_flight: Option<usize>,
+    /// Streams the clients' acks may publish to (docs/pipelines.md).
+    pub outputs: Vec<StreamName>,
 }
 
 /// Why a delivery handed out goes back to the next holder.
@@ -107,6 +108,7 @@ impl PullEndpoint {
             max_attempts,
             backoff: Backoff::default(),
             max_in_flight,
+            outputs: Vec::new(),
         }
     }
 
@@ -119,7 +121,7 @@ impl PullEndpoint {
     /// alive); fetched, until its visibility timeout. Either way, no verdict
     /// is a NAK without delay: the lane sends it again, before anything
     /// later of its key.
-    pub async fn call(&self, who: &MemberRef, held: &Held, fencing_token: u64) -> Judgement {
+    pub async fn call(&self, who: &MemberRef, held: &Held, fencing_token: u64) -> ClientAnswer {
         let ack_id = format!("{}{:016x}", self.replica, rand::random::<u64>());
         let (verdict, mut answer) = oneshot::channel();
         let (visible_until, mut deadline) = watch::channel(None);

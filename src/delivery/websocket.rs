@@ -12,10 +12,14 @@ use tokio_util::sync::CancellationToken;
 
 use super::frames::{message_frame, ClientFrame, ServerFrame};
 use super::message::Held;
+use super::outputs::OutputMessage;
 use super::verdict::Backoff;
 use super::verdict::{Judgement, Verdict};
 use super::BatchLimits;
-use crate::names::MemberRef;
+use crate::names::{MemberRef, StreamName};
+
+/// A client's judgement and the `publish` list its ack carried.
+pub type ClientAnswer = (Judgement, Option<Vec<OutputMessage>>);
 
 /// Why a delivery without a client verdict goes to the next holder.
 const CLOSED: &str = "the WebSocket closed before a verdict";
@@ -43,6 +47,8 @@ pub struct SocketEndpoint {
     pub max_in_flight: Option<usize>,
     /// Messages go in `batch` frames, when the client joined with `batch`.
     pub batch: Option<BatchLimits>,
+    /// Streams the client's acks may publish to (docs/pipelines.md).
+    pub outputs: Vec<StreamName>,
 }
 
 impl SocketEndpoint {
@@ -62,6 +68,7 @@ impl SocketEndpoint {
             backoff,
             max_in_flight: None,
             batch: None,
+            outputs: Vec::new(),
         }
     }
 
@@ -73,7 +80,7 @@ impl SocketEndpoint {
     /// client may take as long as it likes while the connection lives
     /// (keygate keeps the message alive); a closed connection is a NAK
     /// without delay, so the message goes to the next holder at once.
-    pub async fn call(&self, who: &MemberRef, held: &Held, fencing_token: u64) -> Judgement {
+    pub async fn call(&self, who: &MemberRef, held: &Held, fencing_token: u64) -> ClientAnswer {
         let frame = message_frame(who, held, fencing_token);
         let id = frame.id.clone();
         let (tx, rx) = oneshot::channel();
@@ -98,7 +105,7 @@ impl SocketEndpoint {
     /// verdict on each (by id, in one `results` frame or one frame each).
     /// Judgements come in the batch's order; a closed connection is a NAK
     /// without delay for every message still waiting.
-    pub async fn call_batch(&self, who: &MemberRef, batch: &[&Held], fencing_token: u64) -> Vec<Judgement> {
+    pub async fn call_batch(&self, who: &MemberRef, batch: &[&Held], fencing_token: u64) -> Vec<ClientAnswer> {
         let mut frames = Vec::with_capacity(batch.len());
         let mut answers = Vec::with_capacity(batch.len());
         {
@@ -162,14 +169,16 @@ impl SocketEndpoint {
     }
 }
 
-/// A client's verdict frame (WebSocket or pull) as a judgement. `None`
+/// A client's verdict frame (WebSocket or pull) as a judgement, with the
+/// `publish` list of an ack (checked against the declared outputs later,
+/// with the endpoint's). `None`
 /// (no verdict: the client went away, or its time ran out) and a bare
 /// `progress` are a NAK without delay, so the message goes to the next
 /// holder at once; `lost` says why.
-pub fn client_judgement(answer: Option<ClientFrame>, lost: &str) -> Judgement {
+pub fn client_judgement(answer: Option<ClientFrame>, lost: &str) -> ClientAnswer {
     let judged = |verdict, reason: &str| Judgement { verdict, gone: false, failed: false, reason: reason.into() };
-    match answer {
-        Some(ClientFrame::Ack { .. }) => judged(Verdict::Ack, "acked"),
+    let judgement = match answer {
+        Some(ClientFrame::Ack { publish, .. }) => return (judged(Verdict::Ack, "acked"), publish),
         // Capped like a webhook's Retry-After: a huge delay would hold
         // the lane (and every later holder's barrier) for ever.
         Some(ClientFrame::Nak { delay_ms, .. }) => judged(
@@ -178,5 +187,6 @@ pub fn client_judgement(answer: Option<ClientFrame>, lost: &str) -> Judgement {
         ),
         Some(ClientFrame::Term { .. }) => judged(Verdict::Term, "terminated by the client"),
         Some(ClientFrame::Progress { .. }) | None => judged(Verdict::Nak { delay: Some(Duration::ZERO) }, lost),
-    }
+    };
+    (judgement, None)
 }

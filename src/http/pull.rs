@@ -13,9 +13,13 @@ use utoipa::ToSchema;
 use super::extract::{Json, OptionalJson, Path};
 use super::ws::max_attempts_of;
 use crate::app::AppState;
+use crate::auth::scopes::Requirement;
+use crate::auth::Caller;
 use crate::delivery::frames::ClientFrame;
+use crate::delivery::outputs::OutputMessage;
 use crate::delivery::pull::{replica_of, PulledMessage};
 use crate::http::problem::{ApiError, Problem};
+use crate::http::webhooks::check_client_outputs;
 use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
 use crate::runtime::join::pinned_ttl;
 use crate::runtime::pull_instances::{PullInstance, PullTarget, SettleFailure, StartOptions};
@@ -51,6 +55,11 @@ pub struct FetchRequest {
     /// under partition ordering, 256 under key ordering).
     #[schema(minimum = 1, maximum = 1000)]
     pub max_in_flight: Option<usize>,
+    /// Taken by the fetch that starts the instance: streams the acks may
+    /// publish to (docs/pipelines.md); each needs `publish:<stream>` and a
+    /// duplicate window at least the instance's redelivery horizon.
+    #[schema(max_items = 16)]
+    pub outputs: Option<Vec<String>>,
 }
 
 /// A pull subscriber's fetch.
@@ -82,6 +91,10 @@ pub struct SubscriberFetchRequest {
     /// Taken by the fetch that starts the instance: messages out at once, 1–256 (default 4).
     #[schema(minimum = 1, maximum = 256)]
     pub concurrency: Option<usize>,
+    /// Taken by the fetch that starts the instance: streams the acks may
+    /// publish to, as for a member's fetch (docs/pipelines.md).
+    #[schema(max_items = 16)]
+    pub outputs: Option<Vec<String>>,
 }
 
 /// What a fetch brings.
@@ -112,9 +125,10 @@ pub struct NakRequest {
 #[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AckRequest {
-    /// Processed: acknowledged.
+    /// Processed: acknowledged. An entry is an ack id, or an ack id with
+    /// the messages to publish before the ack (docs/pipelines.md).
     #[serde(default)]
-    pub ack: Vec<String>,
+    pub ack: Vec<AckEntry>,
     /// Deliver again (after `delay_ms`), before anything later of the key.
     #[serde(default)]
     pub nak: Vec<NakRequest>,
@@ -124,6 +138,48 @@ pub struct AckRequest {
     /// Still working: the visibility timeout starts again.
     #[serde(default)]
     pub progress: Vec<String>,
+}
+
+/// One ack: an ack id, or an ack id with outputs.
+// Serialize only lets the schema read `untagged`; it is read by hand, below.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(untagged)]
+pub enum AckEntry {
+    Id(String),
+    WithOutputs(AckWithOutputs),
+}
+
+/// Read by hand: serde's untagged enums read from a buffered copy, from
+/// which an output's payload (a `RawValue`) cannot be read.
+impl<'de> Deserialize<'de> for AckEntry {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Entry;
+        impl<'de> serde::de::Visitor<'de> for Entry {
+            type Value = AckEntry;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an ack id, or {\"id\",\"publish\":[…]}")
+            }
+            fn visit_str<E: serde::de::Error>(self, id: &str) -> Result<AckEntry, E> {
+                Ok(AckEntry::Id(id.to_owned()))
+            }
+            fn visit_map<M: serde::de::MapAccess<'de>>(self, map: M) -> Result<AckEntry, M::Error> {
+                AckWithOutputs::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+                    .map(AckEntry::WithOutputs)
+            }
+        }
+        deserializer.deserialize_any(Entry)
+    }
+}
+
+/// An ack whose message's outputs are stored before it (docs/pipelines.md):
+/// the instance must have been started with `outputs` naming their streams.
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AckWithOutputs {
+    pub id: String,
+    /// Published in this order, each stored before the message is acked.
+    #[schema(max_items = 100)]
+    pub publish: Vec<OutputMessage>,
 }
 
 /// What an `acks` request did.
@@ -156,6 +212,7 @@ pub struct AckAnswer {
 )]
 pub async fn fetch_member(
     State(state): State<AppState>,
+    caller: Option<axum::Extension<Caller>>,
     Path((stream, group, member)): Path<(StreamName, GroupName, MemberName)>,
     OptionalJson(request): OptionalJson<FetchRequest>,
 ) -> Result<Json<FetchAnswer>, ApiError> {
@@ -163,28 +220,37 @@ pub async fn fetch_member(
     let batch = Batch::of(request.max_messages, request.wait_ms)?;
     let pulls = state.pulls.clone();
     let target = PullTarget::Member { stream: stream.clone(), group: group.clone(), member: member.clone() };
-    let named = request.max_attempts.is_some() || request.max_in_flight.is_some();
+    let named = request.max_attempts.is_some() || request.max_in_flight.is_some() || request.outputs.is_some();
     let max_attempts = max_attempts_of(request.max_attempts)?;
     check_max_in_flight(request.max_in_flight)?;
-    let instance = match pulls.get(&target) {
-        Some(instance) => instance,
+    let names = output_names(request.outputs)?;
+    let (instance, outputs) = match pulls.get(&target) {
+        Some(instance) => {
+            let ack_wait = instance.options.ack_wait;
+            let outputs = check_client_outputs(&state, caller.as_deref(), names, max_attempts, ack_wait).await?;
+            (instance, outputs)
+        }
         None => {
             super::target::group_member(&state, stream.clone(), group.clone(), member.clone()).await?;
             let settings = state.runtime.stores.groups.settings(&stream, &group).await?;
             let ack_wait =
                 Duration::from_millis(settings.ack_wait_ms.unwrap_or(crate::groups::store::DEFAULT_ACK_WAIT_MS));
+            let outputs = check_client_outputs(&state, caller.as_deref(), names, max_attempts, ack_wait).await?;
             let options = StartOptions {
                 max_attempts,
                 max_in_flight: request.max_in_flight,
                 subscriber: None,
                 ack_wait,
                 idle_after: pinned_ttl(ack_wait),
+                outputs: outputs.clone(),
             };
             visibility(request.visibility_ms, &options)?;
-            pulls.get_or_start(&target, options)?
+            (pulls.get_or_start(&target, options)?, outputs)
         }
     };
-    let same = instance.options.max_attempts == max_attempts && instance.options.max_in_flight == request.max_in_flight;
+    let same = instance.options.max_attempts == max_attempts
+        && instance.options.max_in_flight == request.max_in_flight
+        && instance.options.outputs == outputs;
     if named && !same {
         return Err(started_otherwise(&target, &instance));
     }
@@ -211,6 +277,7 @@ pub async fn fetch_member(
 )]
 pub async fn fetch_subscriber(
     State(state): State<AppState>,
+    caller: Option<axum::Extension<Caller>>,
     Path((stream, consumer, subscriber)): Path<(StreamName, ConsumerName, MemberName)>,
     OptionalJson(request): OptionalJson<SubscriberFetchRequest>,
 ) -> Result<Json<FetchAnswer>, ApiError> {
@@ -224,7 +291,8 @@ pub async fn fetch_subscriber(
         || request.priority.is_some()
         || request.min_pending.is_some()
         || request.min_ack_pending.is_some()
-        || request.concurrency.is_some();
+        || request.concurrency.is_some()
+        || request.outputs.is_some();
     if let Some(instance) = pulls.get(&target).filter(|_| !named) {
         let visibility = visibility(request.visibility_ms, &instance.options)?;
         return Ok(Json(batch.fetch(&instance, visibility).await));
@@ -239,17 +307,21 @@ pub async fn fetch_subscriber(
         request.concurrency,
     )?;
     let ack_wait = Duration::from_millis(current.ack_wait_ms);
+    let outputs =
+        check_client_outputs(&state, caller.as_deref(), output_names(request.outputs)?, max_attempts, ack_wait).await?;
     let options = StartOptions {
         max_attempts,
         max_in_flight: None,
         subscriber: Some(pull),
         ack_wait,
         idle_after: current.pinned_ttl_ms.map_or_else(|| pinned_ttl(ack_wait), Duration::from_millis),
+        outputs,
     };
     visibility(request.visibility_ms, &options)?;
-    let instance = pulls.get_or_start(&target, options)?;
-    let same =
-        instance.options.max_attempts == options.max_attempts && instance.options.subscriber == options.subscriber;
+    let instance = pulls.get_or_start(&target, options.clone())?;
+    let same = instance.options.max_attempts == options.max_attempts
+        && instance.options.subscriber == options.subscriber
+        && instance.options.outputs == options.outputs;
     if named && !same {
         return Err(started_otherwise(&target, &instance));
     }
@@ -273,10 +345,11 @@ pub async fn fetch_subscriber(
 )]
 pub async fn settle_member(
     State(state): State<AppState>,
+    caller: Option<axum::Extension<Caller>>,
     Path((stream, group, member)): Path<(StreamName, GroupName, MemberName)>,
     Json(request): Json<AckRequest>,
 ) -> Result<Json<AckAnswer>, ApiError> {
-    settle(&state, PullTarget::Member { stream, group, member }, request).await
+    settle(&state, caller.as_deref(), PullTarget::Member { stream, group, member }, request).await
 }
 
 /// Settles messages a subscriber's fetches handed out, by ack id.
@@ -293,14 +366,15 @@ pub async fn settle_member(
 )]
 pub async fn settle_subscriber(
     State(state): State<AppState>,
+    caller: Option<axum::Extension<Caller>>,
     Path((stream, consumer, subscriber)): Path<(StreamName, ConsumerName, MemberName)>,
     Json(request): Json<AckRequest>,
 ) -> Result<Json<AckAnswer>, ApiError> {
-    settle(&state, PullTarget::Subscriber { stream, consumer, subscriber }, request).await
+    settle(&state, caller.as_deref(), PullTarget::Subscriber { stream, consumer, subscriber }, request).await
 }
 
 fn started_otherwise(target: &PullTarget, instance: &PullInstance) -> ApiError {
-    let StartOptions { max_attempts, max_in_flight, subscriber, .. } = instance.options;
+    let StartOptions { max_attempts, max_in_flight, subscriber, outputs, .. } = &instance.options;
     let mut running = format!("max_attempts {max_attempts}");
     if let Some(n) = max_in_flight {
         running.push_str(&format!(", max_in_flight {n}"));
@@ -308,10 +382,23 @@ fn started_otherwise(target: &PullTarget, instance: &PullInstance) -> ApiError {
     if let Some(pull) = subscriber {
         running.push_str(&format!(", concurrency {}", pull.concurrency));
     }
+    if !outputs.is_empty() {
+        let names: Vec<&str> = outputs.iter().map(|o| o.as_str()).collect();
+        running.push_str(&format!(", outputs {}", names.join(",")));
+    }
     ApiError::Conflict(format!(
         "this keygate's pull instance of {target} runs with other start options ({running}); fetch without them, \
          or with the same, or let it stop (no fetches for the pin's TTL) first"
     ))
+}
+
+/// A fetch's `outputs`, as stream names (none when not given).
+fn output_names(outputs: Option<Vec<String>>) -> Result<Vec<StreamName>, ApiError> {
+    outputs
+        .unwrap_or_default()
+        .iter()
+        .map(|name| StreamName::parse(name).map_err(|e| ApiError::BadRequest(format!("outputs: {e}"))))
+        .collect()
 }
 
 /// The visibility timeout a fetch asks for, within the ack wait.
@@ -352,8 +439,26 @@ impl Batch {
 }
 
 /// Checks the whole request, then applies each verdict.
-async fn settle(state: &AppState, target: PullTarget, request: AckRequest) -> Result<Json<AckAnswer>, ApiError> {
+async fn settle(
+    state: &AppState,
+    caller: Option<&Caller>,
+    target: PullTarget,
+    request: AckRequest,
+) -> Result<Json<AckAnswer>, ApiError> {
     let frames = frames_of(request)?;
+    // The instance's `outputs` were checked against whoever started it;
+    // an ack publishes with the rights of whoever sends it.
+    if let Some(caller) = caller {
+        for frame in &frames {
+            let ClientFrame::Ack { publish: Some(publish), .. } = frame else { continue };
+            for output in publish {
+                let needed = Requirement::Publish { stream: output.stream.clone() };
+                if !caller.scopes.allows(&needed) {
+                    return Err(ApiError::Forbidden { scope: needed.scope().unwrap_or_default() });
+                }
+            }
+        }
+    }
     let count = frames.len();
     let failed = state.pulls.settle(&target, frames).await;
     Ok(Json(AckAnswer { settled: count - failed.len(), failed }))
@@ -370,7 +475,10 @@ fn frames_of(request: AckRequest) -> Result<Vec<ClientFrame>, ApiError> {
     }
     let frames: Vec<ClientFrame> = ack
         .into_iter()
-        .map(|id| ClientFrame::Ack { id })
+        .map(|entry| match entry {
+            AckEntry::Id(id) => ClientFrame::Ack { id, publish: None },
+            AckEntry::WithOutputs(AckWithOutputs { id, publish }) => ClientFrame::Ack { id, publish: Some(publish) },
+        })
         .chain(nak.into_iter().map(|n| ClientFrame::Nak { id: n.id, delay_ms: n.delay_ms }))
         .chain(term.into_iter().map(|id| ClientFrame::Term { id }))
         .chain(progress.into_iter().map(|id| ClientFrame::Progress { id }))
@@ -418,7 +526,10 @@ mod tests {
         .unwrap();
         assert_eq!(
             frames,
-            vec![ClientFrame::Ack { id: ID.into() }, ClientFrame::Nak { id: OTHER.into(), delay_ms: Some(500) }]
+            vec![
+                ClientFrame::Ack { id: ID.into(), publish: None },
+                ClientFrame::Nak { id: OTHER.into(), delay_ms: Some(500) }
+            ]
         );
     }
 
@@ -439,6 +550,22 @@ mod tests {
     }
 
     #[test]
+    fn an_ack_entry_is_an_id_or_an_id_with_outputs() {
+        let outputs = serde_json::json!({"stream": "PAYMENTS", "key": "k", "data": {"n": 1.50}});
+        let frames = frames_of(request(serde_json::json!({"ack": [ID, {"id": OTHER, "publish": [outputs]}]}))).unwrap();
+        assert_eq!(frames[0], ClientFrame::Ack { id: ID.into(), publish: None });
+        let ClientFrame::Ack { id, publish: Some(publish) } = &frames[1] else { panic!("{:?}", frames[1]) };
+        assert_eq!((id.as_str(), publish[0].data.as_ref().unwrap().get()), (OTHER, r#"{"n":1.5}"#));
+        for bad in [
+            serde_json::json!({"ack": [{"id": ID}]}),
+            serde_json::json!({"ack": [{"id": ID, "publish": [], "x": 1}]}),
+            serde_json::json!({"ack": [7]}),
+        ] {
+            assert!(serde_json::from_value::<AckRequest>(bad.clone()).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
     fn visibility_stays_within_the_ack_wait() {
         let options = StartOptions {
             max_attempts: 10,
@@ -446,6 +573,7 @@ mod tests {
             subscriber: None,
             ack_wait: Duration::from_secs(5),
             idle_after: Duration::from_secs(5),
+            outputs: Vec::new(),
         };
         assert_eq!(visibility(None, &options).unwrap(), Duration::from_secs(5));
         assert_eq!(visibility(Some(1), &options).unwrap(), Duration::from_millis(1));

@@ -67,8 +67,57 @@ pub async fn put_webhook(
 /// duplicate window is shorter than the registration's redelivery horizon:
 /// past the window a republished output would be stored twice.
 pub async fn check_outputs(state: &AppState, caller: Option<&Caller>, spec: &WebhookSpec) -> Result<(), ApiError> {
-    let horizon = spec.redelivery_horizon();
-    for output in &spec.outputs()? {
+    let horizon = Horizon {
+        length: spec.redelivery_horizon(),
+        made_of: "this registration's redelivery horizon",
+        parts: "max_attempts calls of timeout_ms and the backoff between them",
+        shorter: "lower max_attempts, timeout_ms or backoff",
+    };
+    check_declared_outputs(state, caller, &spec.outputs()?, &horizon).await
+}
+
+/// The outputs a WebSocket join or a pull instance's first fetch declares
+/// (`names`), checked as a registration's are, against the horizon of a
+/// client that answers each delivery within the consumer's `ack_wait`.
+pub async fn check_client_outputs(
+    state: &AppState,
+    caller: Option<&Caller>,
+    names: Vec<StreamName>,
+    max_attempts: u64,
+    ack_wait: std::time::Duration,
+) -> Result<Vec<StreamName>, ApiError> {
+    let outputs = crate::webhook::registration::declared_outputs(names)?;
+    let horizon = Horizon {
+        length: crate::webhook::registration::client_redelivery_horizon(max_attempts, ack_wait),
+        made_of: "this client's redelivery horizon",
+        parts: "max_attempts deliveries of the ack wait each and the backoff between them",
+        shorter: "lower max_attempts or the ack wait",
+    };
+    check_declared_outputs(state, caller, &outputs, &horizon).await?;
+    Ok(outputs)
+}
+
+/// How long one endpoint's deliveries of a message can span, and how to
+/// say so in a refusal.
+pub struct Horizon {
+    pub length: std::time::Duration,
+    /// Whose horizon it is, for the refusal.
+    pub made_of: &'static str,
+    /// What it adds up.
+    pub parts: &'static str,
+    /// How the caller can shorten it.
+    pub shorter: &'static str,
+}
+
+/// Checks declared `outputs` against the caller's `publish:` scopes, the
+/// streams there are, and `horizon` (see [`check_outputs`]).
+pub async fn check_declared_outputs(
+    state: &AppState,
+    caller: Option<&Caller>,
+    outputs: &[StreamName],
+    horizon: &Horizon,
+) -> Result<(), ApiError> {
+    for output in outputs {
         let needed = Requirement::Publish { stream: output.to_string() };
         if caller.is_some_and(|c| !c.scopes.allows(&needed)) {
             return Err(ApiError::Forbidden { scope: needed.scope().unwrap_or_default() });
@@ -81,15 +130,17 @@ pub async fn check_outputs(state: &AppState, caller: Option<&Caller>, spec: &Web
             Err(e) => return Err(e.into()),
         };
         let window = std::time::Duration::from_millis(view.duplicate_window_ms);
-        if window < horizon {
+        if window < horizon.length {
             return Err(ApiError::BadRequest(format!(
-                "outputs: stream {output} drops duplicates for {} s, shorter than this registration's redelivery \
-                 horizon of {} s (max_attempts calls of timeout_ms and the backoff between them), so an output \
+                "outputs: stream {output} drops duplicates for {} s, shorter than {} of {} s ({}), so an output \
                  published again by a late retry could be stored twice; create {output} with a duplicate_window_ms \
-                 of at least {}, or lower max_attempts, timeout_ms or backoff",
+                 of at least {}, or {}",
                 window.as_secs(),
-                horizon.as_secs_f64().ceil(),
-                horizon.as_millis()
+                horizon.made_of,
+                horizon.length.as_secs_f64().ceil(),
+                horizon.parts,
+                horizon.length.as_millis(),
+                horizon.shorter,
             )));
         }
     }

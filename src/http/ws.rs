@@ -17,10 +17,12 @@ use utoipa::IntoParams;
 
 use super::extract::{Path, Query};
 use crate::app::AppState;
+use crate::auth::Caller;
 use crate::delivery::frames::{client_frames, ClientFrame, ServerFrame};
 use crate::delivery::websocket::SocketEndpoint;
 use crate::delivery::BatchLimits;
 use crate::http::problem::{ApiError, Problem};
+use crate::http::webhooks::check_client_outputs;
 use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
 use crate::runtime::endpoint::Endpoint;
 use crate::runtime::instance::serve;
@@ -56,6 +58,10 @@ pub struct JoinOptions {
     /// messages (0–10000 ms, default 0: send what is ready).
     #[param(minimum = 0, maximum = 10000)]
     pub batch_wait_ms: Option<u64>,
+    /// Streams this connection's acks may publish to, comma-separated
+    /// (`PAYMENTS,AUDIT`; docs/pipelines.md): each needs `publish:<stream>`
+    /// and a duplicate window at least the connection's redelivery horizon.
+    pub outputs: Option<String>,
     /// The bearer token, for browsers (which cannot set headers on a WebSocket).
     pub access_token: Option<String>,
 }
@@ -82,6 +88,7 @@ pub struct JoinOptions {
 )]
 pub async fn join_member(
     State(state): State<AppState>,
+    caller: Option<axum::Extension<Caller>>,
     Path((stream, group, member)): Path<(StreamName, GroupName, MemberName)>,
     Query(options): Query<JoinOptions>,
     headers: HeaderMap,
@@ -92,6 +99,11 @@ pub async fn join_member(
     crate::webhook::check_max_in_flight(options.max_in_flight)?;
     limits.max_in_flight = options.max_in_flight;
     let who = super::target::group_member(&state, stream, group, member).await?;
+    if let Some(names) = output_names(options.outputs.as_deref())? {
+        let settings = state.runtime.stores.groups.settings(&who.stream, &who.group).await?;
+        let ack_wait = Duration::from_millis(settings.ack_wait_ms.unwrap_or(crate::groups::store::DEFAULT_ACK_WAIT_MS));
+        limits.outputs = check_client_outputs(&state, caller.as_deref(), names, limits.max_attempts, ack_wait).await?;
+    }
     let instances = state.runtime.clone();
     let limit = state.settings.ws_max_connections_per_member;
     let slot = state.sockets_per_member.take(format!("member {}/{}/{}", who.stream, who.group, who.member), limit)?;
@@ -99,6 +111,7 @@ pub async fn join_member(
         crate::events::subject_filter(Some(who.stream.as_str()), Some(who.group.as_str()), Some(who.member.as_str()));
     let target = Target::Member(who);
     let connections = state.connections.clone();
+    let upgrade = small_frames(upgrade, &limits);
     Ok(upgrade.on_upgrade(move |socket| {
         let run: Runner = Box::new(move |endpoint, cancel| Box::pin(serve(instances, target, endpoint, cancel)));
         connections.track_future(serve_connection(state, events_of, socket, limits, run, slot))
@@ -173,6 +186,9 @@ pub struct SubscribeOptions {
     /// messages (0–10000 ms, default 0: send what is ready).
     #[param(minimum = 0, maximum = 10000)]
     pub batch_wait_ms: Option<u64>,
+    /// Streams this connection's acks may publish to, comma-separated
+    /// (docs/pipelines.md), as for a member's connection.
+    pub outputs: Option<String>,
     /// The bearer token, for browsers.
     pub access_token: Option<String>,
 }
@@ -197,14 +213,19 @@ pub struct SubscribeOptions {
 )]
 pub async fn join_consumer(
     State(state): State<AppState>,
+    caller: Option<axum::Extension<Caller>>,
     Path((stream, consumer, subscriber)): Path<(StreamName, ConsumerName, MemberName)>,
     Query(options): Query<SubscribeOptions>,
     headers: HeaderMap,
     upgrade: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> Result<Response, ApiError> {
     let batch = batch_of(options.batch, options.batch_wait_ms)?;
-    let (upgrade, limits) = accept(upgrade, &headers, &state, options.max_attempts, batch)?;
+    let (upgrade, mut limits) = accept(upgrade, &headers, &state, options.max_attempts, batch)?;
     let (who, current) = super::target::consumer_subscriber(&state, stream, consumer, subscriber).await?;
+    if let Some(names) = output_names(options.outputs.as_deref())? {
+        let ack_wait = Duration::from_millis(current.ack_wait_ms);
+        limits.outputs = check_client_outputs(&state, caller.as_deref(), names, limits.max_attempts, ack_wait).await?;
+    }
     let pull = super::consumers::pull_options(
         current.policy,
         options.priority,
@@ -220,6 +241,7 @@ pub async fn join_consumer(
         state.sockets_per_member.take(format!("subscriber {}/{}/{}", who.stream, who.group, who.member), limit)?;
     let target = Target::Subscriber { who, options: pull };
     let connections = state.connections.clone();
+    let upgrade = small_frames(upgrade, &limits);
     Ok(upgrade.on_upgrade(move |socket| {
         let run: Runner = Box::new(move |endpoint, cancel| Box::pin(serve(instances, target, endpoint, cancel)));
         connections.track_future(serve_connection(state, events_of, socket, limits, run, slot))
@@ -228,9 +250,18 @@ pub async fn join_consumer(
 
 /// Client frames are small verdicts: small buffers keep idle connections
 /// cheap, and a size cap keeps a misbehaving client from growing them. A
-/// batched connection's `results` frame names up to 1,000 messages.
-fn small_frames(upgrade: WebSocketUpgrade, batched: bool) -> WebSocketUpgrade {
-    let most = if batched { 256 * 1024 } else { 64 * 1024 };
+/// batched connection's `results` frame names up to 1,000 messages; a
+/// connection that declared outputs acks with up to an answer's worth of
+/// them (docs/pipelines.md).
+fn small_frames(upgrade: WebSocketUpgrade, limits: &SocketLimits) -> WebSocketUpgrade {
+    use crate::delivery::batch_verdict::MAX_BATCH_OUTPUTS_ANSWER;
+    use crate::delivery::outputs::MAX_OUTPUT_ANSWER;
+    let most = match (limits.batch.is_some(), limits.outputs.is_empty()) {
+        (true, true) => 256 * 1024,
+        (false, true) => 64 * 1024,
+        (true, false) => MAX_BATCH_OUTPUTS_ANSWER,
+        (false, false) => MAX_OUTPUT_ANSWER,
+    };
     upgrade
         .protocols([SUBPROTOCOL])
         .read_buffer_size(1024)
@@ -241,11 +272,23 @@ fn small_frames(upgrade: WebSocketUpgrade, batched: bool) -> WebSocketUpgrade {
 }
 
 /// How a connection's deliveries are bounded.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct SocketLimits {
     max_attempts: u64,
     max_in_flight: Option<usize>,
     batch: Option<BatchLimits>,
+    /// Streams its acks may publish to.
+    outputs: Vec<StreamName>,
+}
+
+/// A join's `outputs`, comma-separated stream names; `None` when not given.
+fn output_names(outputs: Option<&str>) -> Result<Option<Vec<StreamName>>, ApiError> {
+    let Some(outputs) = outputs else { return Ok(None) };
+    let names = outputs
+        .split(',')
+        .map(|name| StreamName::parse(name.trim()).map_err(|e| ApiError::BadRequest(format!("outputs: {e}"))))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Some(names))
 }
 
 /// A join's `batch` and `batch_wait_ms`, checked as a webhook's `batch` is.
@@ -274,7 +317,7 @@ fn accept(
         upgrade.map_err(|e| ApiError::BadRequest(format!("this route opens a WebSocket: {}", e.body_text())))?;
     check_origin(headers, &state.settings.ws_allowed_origins)?;
     let max_attempts = max_attempts_of(max_attempts)?;
-    Ok((small_frames(upgrade, batch.is_some()), SocketLimits { max_attempts, max_in_flight: None, batch }))
+    Ok((upgrade, SocketLimits { max_attempts, max_in_flight: None, batch, outputs: Vec::new() }))
 }
 
 /// A client-served member's or subscriber's `max_attempts` (WebSocket or
@@ -321,6 +364,7 @@ async fn serve_connection(
         SocketEndpoint::new(messages_tx, status_tx, closed.clone(), limits.max_attempts, Backoff::default());
     endpoint.max_in_flight = limits.max_in_flight;
     endpoint.batch = limits.batch;
+    endpoint.outputs = limits.outputs;
     let endpoint = Arc::new(endpoint);
     let session_cancel = CancellationToken::new();
     let mut session = tokio::spawn(run(Arc::new(Endpoint::Socket(endpoint.clone())), session_cancel.clone()));

@@ -30,7 +30,7 @@ use serde_json::value::RawValue;
 use utoipa::ToSchema;
 
 /// Header values: one string or several.
-#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(untagged)]
 pub enum HeaderValues {
     One(String),

@@ -15,10 +15,11 @@ use super::Runtime;
 use crate::dead_letters::{self, DeadLetter};
 use crate::delivery::batch_verdict::BatchJudgement;
 use crate::delivery::message::{Delivered, Held};
-use crate::delivery::outputs::Output;
+use crate::delivery::outputs::{with_outputs, Output};
 use crate::delivery::verdict::{backoff, Judgement, Verdict};
+use crate::delivery::websocket::ClientAnswer;
 use crate::events::{About, Event};
-use crate::names::MemberRef;
+use crate::names::{MemberRef, StreamName};
 use crate::pauses::{Pause, BREAKER};
 use crate::runtime::endpoint::{Endpoint, WebhookEndpoint};
 use crate::telemetry::TraceContext;
@@ -141,17 +142,19 @@ impl DeliveryMetrics {
     }
 }
 
-/// A WebSocket or pull client's verdict, its wait recorded: the time until
-/// the client's verdict is the endpoint's latency.
+/// A WebSocket or pull client's verdict, its wait recorded (the time until
+/// the client's verdict is the endpoint's latency), with the outputs its
+/// ack asks to publish, checked against the `declared` streams.
 fn client_answered(
     span: &tracing::Span,
     called: std::time::Instant,
     metrics: &DeliveryMetrics,
-    judgement: Judgement,
-) -> Judgement {
+    (judgement, publish): ClientAnswer,
+    declared: &[StreamName],
+) -> (Judgement, Vec<Output>) {
     span.record("endpoint_ms", called.elapsed().as_secs_f64() * 1000.0);
     metrics.endpoint_seconds.record(called.elapsed().as_secs_f64());
-    judgement
+    with_outputs(judgement, publish, declared)
 }
 
 /// One delivery: call the endpoint, apply its verdict to the message.
@@ -197,10 +200,10 @@ pub async fn deliver(
             (judgement, outputs)
         }
         Endpoint::Socket(socket) => {
-            (client_answered(&span, called, metrics, socket.call(&who, &held, fencing).await), Vec::new())
+            client_answered(&span, called, metrics, socket.call(&who, &held, fencing).await, &socket.outputs)
         }
         Endpoint::Pull(pull) => {
-            (client_answered(&span, called, metrics, pull.call(&who, &held, fencing).await), Vec::new())
+            client_answered(&span, called, metrics, pull.call(&who, &held, fencing).await, &pull.outputs)
         }
     };
     let settled = apply(&ctx, &who, &endpoint, &held, &judgement, &outputs, metrics, &mut events).await;
@@ -315,7 +318,8 @@ pub async fn deliver_batch(
         Endpoint::Webhook(webhook) => call_webhook(&ctx, &who, webhook, batch, fencing, &span, &mut events).await,
         Endpoint::Socket(socket) => {
             let messages: Vec<&Held> = batch.iter().map(|(_, held)| held).collect();
-            BatchJudgement { items: socket.call_batch(&who, &messages, fencing).await, failed: false, gone: false }
+            let (items, publish) = socket.call_batch(&who, &messages, fencing).await.into_iter().unzip();
+            BatchJudgement { items, publish, failed: false, gone: false }
         }
         Endpoint::Pull(_) => unreachable!("pull clients fetch their own batches (runtime/endpoint.rs)"),
     };
@@ -323,12 +327,16 @@ pub async fn deliver_batch(
     metrics.endpoint_seconds.record(called.elapsed().as_secs_f64());
     let mut stopped: HashSet<&LaneId> = HashSet::new();
     let mut settled = Vec::with_capacity(batch.len());
-    for ((lane, held), judgement) in batch.iter().zip(&judged.items) {
+    let declared = endpoint.declared_outputs();
+    let mut publish = judged.publish.into_iter();
+    for ((lane, held), judgement) in batch.iter().zip(judged.items) {
+        let publish = publish.next().flatten();
         if stopped.contains(lane) {
             settled.push(Settled::Returned);
             continue;
         }
-        let outcome = apply(&ctx, &who, &endpoint, held, judgement, &[], metrics, &mut events).await;
+        let (judgement, outputs) = with_outputs(judgement, publish, declared);
+        let outcome = apply(&ctx, &who, &endpoint, held, &judgement, &outputs, metrics, &mut events).await;
         if outcome != Settled::Done(Settlement::Acked) {
             stopped.insert(lane);
         }
@@ -352,7 +360,7 @@ async fn call_webhook(
     if protection.open() {
         let reason = "not sent: the circuit breaker is open and the member is pausing".to_owned();
         let not_sent = Judgement { verdict: Verdict::Nak { delay: None }, gone: false, failed: false, reason };
-        return BatchJudgement { items: vec![not_sent; batch.len()], failed: false, gone: false };
+        return BatchJudgement { items: vec![not_sent; batch.len()], publish: Vec::new(), failed: false, gone: false };
     }
     protection.wait_turn().await;
     let ids: Vec<String> = batch.iter().map(|(_, held)| crate::webhook::request::delivery_id(held)).collect();

@@ -8,6 +8,7 @@ use crate::delivery::frames::ServerFrame;
 use crate::delivery::pull::PullEndpoint;
 use crate::delivery::websocket::SocketEndpoint;
 use crate::delivery::BatchLimits;
+use crate::names::StreamName;
 use crate::webhook::credentials::Credentials;
 use crate::webhook::failure_log::FailureLog;
 use crate::webhook::protection::Protection;
@@ -69,6 +70,15 @@ impl Endpoint {
         match self {
             Self::Webhook(webhook) => Some(&webhook.protection),
             Self::Socket(_) | Self::Pull(_) => None,
+        }
+    }
+
+    /// Streams its answers may publish to (docs/pipelines.md).
+    pub fn declared_outputs(&self) -> &[StreamName] {
+        match self {
+            Self::Webhook(webhook) => &webhook.registration.outputs,
+            Self::Socket(socket) => &socket.outputs,
+            Self::Pull(pull) => &pull.outputs,
         }
     }
 

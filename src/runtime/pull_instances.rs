@@ -65,7 +65,7 @@ impl std::fmt::Display for PullTarget {
 }
 
 /// What an instance is started with; a fetch naming others while it runs is refused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StartOptions {
     pub max_attempts: u64,
     /// Members: most deliveries out at once (`None`: the ordering's default).
@@ -76,6 +76,8 @@ pub struct StartOptions {
     pub ack_wait: Duration,
     /// No fetch or verdict for this long, nothing handed out: the instance stops.
     pub idle_after: Duration,
+    /// Streams the clients' acks may publish to (docs/pipelines.md).
+    pub outputs: Vec<StreamName>,
 }
 
 /// A verdict that could not be applied.
@@ -187,12 +189,10 @@ impl PullInstances {
             ));
         }
         let closed = CancellationToken::new();
-        let endpoint = Arc::new(PullEndpoint::new(
-            self.inner.replica.clone(),
-            closed.clone(),
-            options.max_attempts,
-            options.max_in_flight,
-        ));
+        let mut endpoint =
+            PullEndpoint::new(self.inner.replica.clone(), closed.clone(), options.max_attempts, options.max_in_flight);
+        endpoint.outputs = options.outputs.clone();
+        let endpoint = Arc::new(endpoint);
         let instance = Arc::new(PullInstance {
             endpoint: endpoint.clone(),
             options,
@@ -206,13 +206,13 @@ impl PullInstances {
         gauge.increment(1.0);
         let ctx = self.inner.ctx.clone();
         let serve = {
-            let (target, stop) = (target.clone(), instance.stop.clone());
+            let (target, stop, pull_options) = (target.clone(), instance.stop.clone(), instance.options.subscriber);
             let endpoint = Arc::new(Endpoint::Pull(endpoint));
             async move {
                 let served = match target {
                     PullTarget::Member { stream, group, member } => Some(Target::member(stream, group, member)),
                     PullTarget::Subscriber { stream, consumer, subscriber } => {
-                        options.subscriber.and_then(|pull| Target::subscriber(stream, &consumer, subscriber, pull))
+                        pull_options.and_then(|pull| Target::subscriber(stream, &consumer, subscriber, pull))
                     }
                 };
                 if let Some(served) = served {

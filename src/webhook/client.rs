@@ -10,8 +10,8 @@ use super::credentials::{Credentials, OutboundAuth};
 use super::destination::DestinationPolicy;
 use super::registration::{Registration, MAX_RESPONSE_BODY};
 use super::signing::Signer;
-use crate::delivery::batch_verdict::{judge_batch, BatchJudgement, MAX_BATCH_ANSWER};
-use crate::delivery::outputs::{read_outputs, Output, MAX_OUTPUT_ANSWER};
+use crate::delivery::batch_verdict::{judge_batch, BatchJudgement, MAX_BATCH_ANSWER, MAX_BATCH_OUTPUTS_ANSWER};
+use crate::delivery::outputs::{read_outputs, with_outputs, Output, MAX_OUTPUT_ANSWER};
 use crate::delivery::verdict::{judge, Judgement, Response, RetryPolicy, Verdict, MAX_RETRY_AFTER};
 
 /// One call to make.
@@ -61,8 +61,8 @@ impl WebhookClient {
         let judgement = judge(&answer.response(), now, retry_policy(registration, &mut Vec::new()));
         match &answer {
             Answer::Http { content_type, body, truncated, .. } if judgement.verdict == Verdict::Ack => {
-                match read_outputs(content_type.as_deref(), body, *truncated, &registration.outputs) {
-                    Ok(outputs) => (judgement, outputs),
+                match read_outputs(content_type.as_deref(), body, *truncated) {
+                    Ok(publish) => with_outputs(judgement, publish, &registration.outputs),
                     Err(refusal) => {
                         let reason = format!("{}, but {refusal}", judgement.reason);
                         (Judgement { verdict: Verdict::Nak { delay: None }, reason, ..judgement }, Vec::new())
@@ -86,7 +86,8 @@ impl WebhookClient {
         ids: &[&str],
     ) -> BatchJudgement {
         let now = SystemTime::now();
-        let answer = self.exchange(registration, url, signer, credentials, outbound, MAX_BATCH_ANSWER, now).await;
+        let max_body = if registration.outputs.is_empty() { MAX_BATCH_ANSWER } else { MAX_BATCH_OUTPUTS_ANSWER };
+        let answer = self.exchange(registration, url, signer, credentials, outbound, max_body, now).await;
         judge_batch(&answer.response(), ids, now, retry_policy(registration, &mut Vec::new()))
     }
 

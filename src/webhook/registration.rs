@@ -234,27 +234,7 @@ impl WebhookSpec {
     /// duplicates long enough and may be published by the caller is
     /// checked where the registration is made (src/http/webhooks.rs).
     pub fn outputs(&self) -> Result<Vec<StreamName>, Error> {
-        let mut outputs = self.outputs.clone().unwrap_or_default();
-        if outputs.len() > MAX_OUTPUT_STREAMS {
-            return Err(Error::new(
-                Kind::InvalidRegistration,
-                format!("outputs names at most {MAX_OUTPUT_STREAMS} streams"),
-            ));
-        }
-        if self.batch.is_some() && !outputs.is_empty() {
-            return Err(Error::new(
-                Kind::InvalidRegistration,
-                "outputs are read from unbatched deliveries' answers only: drop batch or outputs",
-            ));
-        }
-        for stream in &outputs {
-            if let Some(why) = crate::streams::reserved_stream_name(stream.as_str()) {
-                return Err(Error::new(Kind::InvalidRegistration, format!("outputs: {why}")));
-            }
-        }
-        outputs.sort();
-        outputs.dedup();
-        Ok(outputs)
+        declared_outputs(self.outputs.clone().unwrap_or_default())
     }
 
     /// The longest a message's deliveries can span under this
@@ -271,6 +251,41 @@ impl WebhookSpec {
         let calls = attempts.saturating_mul(self.timeout_ms.unwrap_or(DEFAULT_TIMEOUT_MS));
         Duration::from_millis(calls).saturating_add(Duration::from_secs_f64(waits / 1000.0))
     }
+}
+
+/// Streams an endpoint declares its answers may publish to (a webhook's
+/// `outputs`, a WebSocket join's or a first fetch's; docs/pipelines.md):
+/// at most [`MAX_OUTPUT_STREAMS`], none of keygate's or the server's own,
+/// sorted, each once.
+pub fn declared_outputs(mut outputs: Vec<StreamName>) -> Result<Vec<StreamName>, Error> {
+    if outputs.len() > MAX_OUTPUT_STREAMS {
+        return Err(Error::new(
+            Kind::InvalidRegistration,
+            format!("outputs names at most {MAX_OUTPUT_STREAMS} streams"),
+        ));
+    }
+    for stream in &outputs {
+        if let Some(why) = crate::streams::reserved_stream_name(stream.as_str()) {
+            return Err(Error::new(Kind::InvalidRegistration, format!("outputs: {why}")));
+        }
+    }
+    outputs.sort();
+    outputs.dedup();
+    Ok(outputs)
+}
+
+/// The longest a WebSocket or pull client's message's deliveries can span
+/// if the client answers each within the consumer's ack wait: every
+/// attempt taking the whole ack wait and every retry its whole default
+/// backoff. A client that holds a message longer (with `progress`) or asks
+/// for longer NAK delays goes beyond it (docs/pipelines.md).
+pub fn client_redelivery_horizon(max_attempts: u64, ack_wait: Duration) -> Duration {
+    let spec = WebhookSpec {
+        max_attempts: Some(max_attempts),
+        timeout_ms: Some(ack_wait.as_millis().min(u64::MAX as u128) as u64),
+        ..WebhookSpec::default()
+    };
+    spec.redelivery_horizon()
 }
 
 impl Registration {

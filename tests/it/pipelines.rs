@@ -214,7 +214,7 @@ async fn answers_that_cannot_be_published_whole_are_dead_lettered_with_nothing_p
         .map(|l| (l["key"].as_str().unwrap().to_owned(), l["reason"].as_str().unwrap().to_owned()))
         .collect();
     let expected = [
-        ("undeclared", "does not declare"),
+        ("undeclared", "not among the declared outputs"),
         ("malformed", "publish list is not valid"),
         ("many", "at most 100"),
         ("large", "payload bytes"),
@@ -267,7 +267,6 @@ async fn registrations_are_refused_outputs_they_cannot_publish_effectively_once(
         (json!({"url": url, "outputs": ["PAYMENTS"], "timeout_ms": 60_000}), "duplicate_window_ms of at least"),
         (json!({"url": url, "outputs": ["KV_keygate"]}), "own state"),
         (json!({"url": url, "outputs": ["not a name"]}), "invalid"),
-        (json!({"url": url, "outputs": ["PAYMENTS"], "max_attempts": 2, "batch": {"max_messages": 10}}), "unbatched"),
     ];
     // PAYMENTS keeps duplicates 600 s: ten calls of 60 s and the default
     // backoff between them (183.5 s) outlast it.
@@ -282,4 +281,146 @@ async fn registrations_are_refused_outputs_they_cannot_publish_effectively_once(
     let (status, view) = put(json!({"url": url, "outputs": ["PAYMENTS", "PAYMENTS"], "max_attempts": 3})).await;
     assert_eq!(status, 201, "{view}");
     assert_eq!(view["outputs"], json!(["PAYMENTS"]));
+}
+
+/// A message frame's or fetched message's payment: same key, its sequence.
+fn payment_of(message: &Value) -> Value {
+    json!({"stream": "PAYMENTS", "key": message["key"], "data": {"order": message["stream_seq"]}})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn websocket_and_pull_clients_acks_publish_their_outputs_before_the_ack() {
+    use crate::support::ws::{member_url, WsClient};
+    let app = TestApp::start().await;
+    pipeline(&app).await;
+    app.create_stream("SHORT", json!({"subjects":["short.*"],"duplicate_window_ms":1000})).await;
+    // Declared outputs are checked at the join as a registration's are.
+    for (query, status) in [("outputs=NOPE", 400), ("outputs=SHORT", 400), ("outputs=KV_keygate", 400)] {
+        let url = member_url(&app.base, "ORDERS", "g", "m1", query);
+        assert_eq!(WsClient::connect_with(&url, &[]).await.err(), Some(status), "{query}");
+    }
+    let url = member_url(&app.base, "ORDERS", "g", "m1", "outputs=PAYMENTS&max_attempts=3");
+    let mut socket = WsClient::connect(&url).await;
+    let published = publish(&app, &["alice", "bob"], 1).await;
+    for _ in 0..2 {
+        let message = socket.next_of("message", WAIT).await;
+        socket.send(json!({"type": "ack", "id": message["id"], "publish": [payment_of(&message)]})).await;
+    }
+    let payments = eventually(WAIT, || async {
+        let payments = stored(&app.js, "PAYMENTS").await;
+        (payments.len() == 2).then_some(payments)
+    })
+    .await;
+    for (id, key, data) in &payments {
+        assert_eq!(&vec![data["order"].as_u64().unwrap()], &published[key.as_str()], "{key}");
+        assert_eq!(id, &format!("ORDERS:g:{}:0", data["order"]));
+    }
+    // An ack whose outputs name an undeclared stream is a retry: the same
+    // message again, nothing published; then a plain ack settles it.
+    publish(&app, &["carol"], 1).await;
+    let message = socket.next_of("message", WAIT).await;
+    let elsewhere = json!({"stream": "LEDGER", "key": "carol", "data": 1});
+    socket.send(json!({"type": "ack", "id": message["id"], "publish": [elsewhere]})).await;
+    let again = socket.next_of("message", WAIT).await;
+    assert_eq!((&again["id"], &again["attempt"]), (&message["id"], &json!(2)), "{again}");
+    socket.send(json!({"type": "ack", "id": again["id"]})).await;
+    socket.close().await;
+    assert_eq!(stored(&app.js, "PAYMENTS").await.len(), 2, "nothing published for the refused ack");
+
+    // A pull client: the first fetch declares the outputs; an ack entry
+    // carries them.
+    let fetch = json!({"outputs": ["PAYMENTS"], "max_attempts": 3, "wait_ms": 200});
+    let published = publish(&app, &["dave"], 1).await;
+    let message = eventually(WAIT, || async {
+        let (status, answer) = app.post("/v1/streams/ORDERS/groups/g/members/m1/fetch", fetch.clone()).await;
+        assert_eq!(status, 200, "{answer}");
+        answer["messages"].as_array().and_then(|m| m.first().cloned())
+    })
+    .await;
+    let acks = json!({"ack": [{"id": message["ack_id"], "publish": [payment_of(&message)]}]});
+    let (status, answer) = app.post("/v1/streams/ORDERS/groups/g/members/m1/acks", acks).await;
+    assert_eq!((status, &answer["settled"]), (200, &json!(1)), "{answer}");
+    let payments = eventually(WAIT, || async {
+        let payments = stored(&app.js, "PAYMENTS").await;
+        (payments.len() == 3).then_some(payments)
+    })
+    .await;
+    let (id, key, data) = &payments[2];
+    assert_eq!((key.as_str(), data["order"].as_u64().unwrap()), ("dave", published["dave"][0]));
+    assert_eq!(id, &format!("ORDERS:g:{}:0", published["dave"][0]));
+    // The running instance declared PAYMENTS; a fetch naming others is refused.
+    let (status, problem) =
+        app.post("/v1/streams/ORDERS/groups/g/members/m1/fetch", json!({"outputs": [], "wait_ms": 0})).await;
+    assert_eq!(status, 409, "{problem}");
+    assert!(problem["detail"].as_str().unwrap().contains("outputs PAYMENTS"), "{problem}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batched_webhooks_results_carry_each_messages_outputs() {
+    let app = TestApp::start().await;
+    pipeline(&app).await;
+    let receiver = Receiver::start(|request, _| {
+        let batch: Vec<Value> = serde_json::from_slice(&request.body).unwrap();
+        let results: Vec<Value> =
+            batch.iter().map(|m| json!({"id": m["id"], "status": "ack", "publish": [payment_of(m)]})).collect();
+        Answer { body: json!({ "results": results }).to_string(), ..Answer::ok() }
+            .header("content-type", "application/json")
+    })
+    .await;
+    let body = json!({"url": receiver.url("/m1"), "outputs": ["PAYMENTS"], "max_attempts": 2, "timeout_ms": 5000,
+        "backoff": {"initial_ms": 100, "max_ms": 200}, "batch": {"max_messages": 20}});
+    let (status, view) = app.put("/v1/streams/ORDERS/groups/g/members/m1/webhook", body).await;
+    assert_eq!(status, 201, "{view}");
+    let published = publish(&app, &["alice", "bob", "carol"], 10).await;
+    let payments = eventually(WAIT, || async {
+        let payments = stored(&app.js, "PAYMENTS").await;
+        (payments.len() == 30).then_some(payments)
+    })
+    .await;
+    for (key, seqs) in &published {
+        let orders: Vec<u64> =
+            payments.iter().filter(|(_, k, _)| k == key).map(|(_, _, d)| d["order"].as_u64().unwrap()).collect();
+        assert_eq!(&orders, seqs, "{key}'s payments in order");
+    }
+    assert!(receiver.requests().len() < 30, "batched: {} requests", receiver.requests().len());
+    app.assert_no_acks_without_verdict().await;
+}
+
+#[tokio::test]
+async fn declaring_or_acking_with_outputs_needs_the_publish_scope_of_each_stream() {
+    use crate::auth::{call, scoped, start_with_secret};
+    let app = start_with_secret().await;
+    let admin = scoped("keygate:admin");
+    for (path, body) in [
+        ("/v1/streams/ORDERS", json!({"subjects":["orders.*"],"partitions":4})),
+        ("/v1/streams/PAYMENTS", json!({"subjects":["payments.*"],"partitions":4,"duplicate_window_ms":WINDOW_MS})),
+        ("/v1/streams/ORDERS/groups/g", json!({"kind":"static","partitions":4,"members":["m1"],"ack_wait_ms":5000})),
+    ] {
+        let (status, view) = call(&app, "PUT", path, Some(&admin), Some(body)).await;
+        assert_eq!(status, 201, "{path}: {view}");
+    }
+    let fetch_path = "/v1/streams/ORDERS/groups/g/members/m1/fetch";
+    let consumer = scoped("consume:ORDERS/g");
+    let declared = json!({"outputs": ["PAYMENTS"], "wait_ms": 0});
+    let (status, problem) = call(&app, "POST", fetch_path, Some(&consumer), Some(declared.clone())).await;
+    assert_eq!(status, 403, "{problem}");
+    // A client allowed to consume only cannot publish through an ack of an
+    // instance someone else started with outputs.
+    let both = scoped("consume:ORDERS/g publish:PAYMENTS");
+    let (status, answer) = call(&app, "POST", fetch_path, Some(&both), Some(declared)).await;
+    assert_eq!(status, 200, "{answer}");
+    let (status, _) = call(&app, "POST", "/v1/streams/ORDERS/messages", Some(&admin), Some(json!({"key": "a"}))).await;
+    assert_eq!(status, 200);
+    let message = eventually(WAIT, || async {
+        let (_, answer) = call(&app, "POST", fetch_path, Some(&consumer), Some(json!({"wait_ms": 200}))).await;
+        answer["messages"].as_array().and_then(|m| m.first().cloned())
+    })
+    .await;
+    let acks = json!({"ack": [{"id": message["ack_id"], "publish": [payment_of(&message)]}]});
+    let acks_path = "/v1/streams/ORDERS/groups/g/members/m1/acks";
+    let (status, problem) = call(&app, "POST", acks_path, Some(&consumer), Some(acks.clone())).await;
+    assert_eq!(status, 403, "{problem}");
+    let (status, answer) = call(&app, "POST", acks_path, Some(&both), Some(acks)).await;
+    assert_eq!((status, &answer["settled"]), (200, &json!(1)), "{answer}");
+    eventually(WAIT, || async { (stored(&app.js, "PAYMENTS").await.len() == 1).then_some(()) }).await;
 }

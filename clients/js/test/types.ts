@@ -40,4 +40,8 @@ export async function example(): Promise<void> {
   for await (const message of batched) message.ack();
   const work = client.subscribe("JOBS", "workers", "w1", { concurrency: 8, onStandby: () => console.log("standby") });
   for await (const job of work) job.ack();
+  const stage = client.join("ORDERS", "enrich", "m1", { outputs: ["PAYMENTS"] });
+  for await (const order of stage) {
+    order.ack({ publish: [{ stream: "PAYMENTS", key: order.key ?? undefined, data: { order: order.streamSeq } }] });
+  }
 }
