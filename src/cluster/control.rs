@@ -89,6 +89,9 @@ pub struct ControlReply {
     pub session: u64,
     #[serde(default)]
     pub pinned: bool,
+    /// Streams its endpoint's answers may publish to (docs/pipelines.md).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub outputs: Vec<String>,
 }
 
 /// Every instance of a member that answers within `window`: the pinned one

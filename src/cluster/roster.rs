@@ -41,20 +41,23 @@ struct FlatEntry {
     fencing_token: Option<u64>,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     blocked: bool,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    outputs: Vec<String>,
 }
 
 impl From<FlatEntry> for RosterEntry {
     fn from(flat: FlatEntry) -> Self {
-        let FlatEntry { stream, group, member, session, pinned, pin, fencing_token, blocked } = flat;
-        Self { stream, group, member, session, report: InstanceReport { pinned, pin, fencing_token, blocked } }
+        let FlatEntry { stream, group, member, session, pinned, pin, fencing_token, blocked, outputs } = flat;
+        let report = InstanceReport { pinned, pin, fencing_token, blocked, outputs };
+        Self { stream, group, member, session, report }
     }
 }
 
 impl From<RosterEntry> for FlatEntry {
     fn from(entry: RosterEntry) -> Self {
         let RosterEntry { stream, group, member, session, report } = entry;
-        let InstanceReport { pinned, pin, fencing_token, blocked } = report;
-        Self { stream, group, member, session, pinned, pin, fencing_token, blocked }
+        let InstanceReport { pinned, pin, fencing_token, blocked, outputs } = report;
+        Self { stream, group, member, session, pinned, pin, fencing_token, blocked, outputs }
     }
 }
 
@@ -69,6 +72,8 @@ pub struct InstanceReport {
     pub fencing_token: Option<u64>,
     /// Whether any of its lanes is blocked.
     pub blocked: bool,
+    /// Streams its endpoint's answers may publish to (docs/pipelines.md).
+    pub outputs: Vec<String>,
 }
 
 type SessionKey = (String, String, String, u64);
@@ -118,6 +123,17 @@ impl Roster {
             report.pinned = pin.is_some();
             report.pin = pin.map(str::to_owned);
             report.fencing_token = fencing_token.filter(|_| pin.is_some());
+        });
+    }
+
+    /// Records the streams `who`'s session `session` may publish to
+    /// (once the session is listed).
+    pub fn set_outputs(&self, who: &MemberRef, session: u64, outputs: &[crate::names::StreamName]) {
+        self.update(who, session, false, |report| {
+            if report.outputs.len() != outputs.len() || report.outputs.iter().zip(outputs).any(|(a, b)| a != b.as_str())
+            {
+                report.outputs = outputs.iter().map(|o| o.to_string()).collect();
+            }
         });
     }
 
@@ -196,7 +212,13 @@ mod tests {
         let entry: RosterEntry = serde_json::from_str(old).unwrap();
         assert_eq!(entry.report, InstanceReport { pinned: true, ..InstanceReport::default() });
         let new = RosterEntry {
-            report: InstanceReport { pinned: true, pin: Some("p".into()), fencing_token: Some(3), blocked: true },
+            report: InstanceReport {
+                pinned: true,
+                pin: Some("p".into()),
+                fencing_token: Some(3),
+                blocked: true,
+                outputs: vec!["PAYMENTS".into()],
+            },
             ..entry
         };
         let back: RosterEntry = serde_json::from_str(&serde_json::to_string(&new).unwrap()).unwrap();

@@ -170,8 +170,8 @@ impl SocketEndpoint {
 }
 
 /// A client's verdict frame (WebSocket or pull) as a judgement, with the
-/// `publish` list of an ack (checked against the declared outputs later,
-/// with the endpoint's). `None`
+/// `publish` list an ack carried (held to the endpoint's declared outputs
+/// where the verdict is applied, `runtime/deliver.rs`). `None`
 /// (no verdict: the client went away, or its time ran out) and a bare
 /// `progress` are a NAK without delay, so the message goes to the next
 /// holder at once; `lost` says why.

@@ -153,6 +153,9 @@ pub struct InstanceState {
     /// Tells apart several instances in one process (WebSocket connections).
     pub session: u64,
     pub pinned: bool,
+    /// Streams its endpoint's answers may publish to (docs/pipelines.md);
+    /// empty when it publishes nothing.
+    pub outputs: Vec<String>,
 }
 
 /// Backlog of one partition.
@@ -231,7 +234,7 @@ mod tests {
         let pulling = MemberState { waiting_pulls: 2, ..member() };
         assert_eq!(pulling.pin_status(), PinStatus::FreeUntilNextDelivery);
         let standing_by = MemberState {
-            instances: vec![InstanceState { instance: "kg-a".into(), session: 1, pinned: false }],
+            instances: vec![InstanceState { instance: "kg-a".into(), session: 1, pinned: false, outputs: vec![] }],
             ..member()
         };
         assert_eq!(standing_by.pin_status(), PinStatus::FreeUntilNextDelivery, "held-back standbys pull nothing");

@@ -101,7 +101,12 @@ pub async fn observe(
                 .remove(&state.member)
                 .unwrap_or_default()
                 .into_iter()
-                .map(|i| InstanceState { instance: i.instance, session: i.session, pinned: i.report.pinned })
+                .map(|i| InstanceState {
+                    instance: i.instance,
+                    session: i.session,
+                    pinned: i.report.pinned,
+                    outputs: i.report.outputs,
+                })
                 .collect();
         }
     } else if let Instances::RollCall = instances {
@@ -120,7 +125,12 @@ pub async fn observe(
             if let Some(state) = view.assignment.iter_mut().find(|m| m.member == member) {
                 state.instances = replies
                     .into_iter()
-                    .map(|r| InstanceState { instance: r.instance, session: r.session, pinned: r.pinned })
+                    .map(|r| InstanceState {
+                        instance: r.instance,
+                        session: r.session,
+                        pinned: r.pinned,
+                        outputs: r.outputs,
+                    })
                     .collect();
             }
         }

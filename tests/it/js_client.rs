@@ -219,3 +219,55 @@ async fn the_js_client_joins_with_batch_and_answers_each_batch_in_one_frame() {
     }
     assert_eq!(last_delivery.len(), 40, "every message arrived");
 }
+
+/// A pipeline stage in a browser (docs/pipelines.md): a member that joined
+/// with `outputs` acks each message with the message to publish, and
+/// keygate stores it under an id derived from the message acked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_js_client_acks_with_outputs_as_a_pipeline_stage() {
+    let app = TestApp::start().await;
+    app.create_stream("JS", json!({"subjects":["js.*"],"partitions":2})).await;
+    app.create_stream("OUT", json!({"subjects":["out.*"],"partitions":2,"duplicate_window_ms":600_000})).await;
+    let group = json!({"kind":"static","partitions":2,"members":["web"],"ack_wait_ms":2000});
+    assert_eq!(app.put("/v1/streams/JS/groups/g", group).await.0, 201);
+    let messages: Vec<Value> = (0..10).map(|n| json!({"key": format!("k{}", n % 3), "data": {"n": n}})).collect();
+    assert_eq!(app.post("/v1/streams/JS/messages/batch", json!({"messages": messages})).await.0, 200);
+    let mut browser = Browser::launch().await;
+    browser.navigate(&app.url("/demo")).await;
+    let joined = browser
+        .eval(
+            r#"(async () => {
+              const { KeygateClient } = await import("/client/keygate.js");
+              const membership = new KeygateClient().join("JS", "g", "web", { outputs: ["OUT"] });
+              (async () => {
+                for await (const m of membership) {
+                  m.ack({ publish: [{ stream: "OUT", key: m.key ?? undefined, data: { from: m.streamSeq, n: m.data.n } }] });
+                }
+              })();
+              return true;
+            })()"#,
+        )
+        .await;
+    assert_eq!(joined, true);
+    let stored = eventually(WAIT, || async {
+        let mut out = app.js.get_stream("OUT").await.ok()?;
+        let count = out.info().await.ok()?.state.messages;
+        if count < 10 {
+            return None;
+        }
+        let mut stored = Vec::new();
+        for seq in 1..=count {
+            let message = out.get_raw_message(seq).await.ok()?;
+            let data: Value = serde_json::from_slice(&message.payload).ok()?;
+            stored.push((message.headers.get("Nats-Msg-Id")?.to_string(), data));
+        }
+        Some(stored)
+    })
+    .await;
+    for (id, data) in &stored {
+        assert_eq!(id, &format!("JS:g:{}:0", data["from"]), "{data}");
+    }
+    let mut from: Vec<u64> = stored.iter().map(|(_, d)| d["from"].as_u64().unwrap()).collect();
+    from.sort_unstable();
+    assert_eq!(from, (1..=10).collect::<Vec<u64>>(), "one output per message");
+}

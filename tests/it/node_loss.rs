@@ -159,12 +159,27 @@ async fn server_view(cluster: &NatsCluster) -> String {
     for consumer in ["enrich-m1", "enrich-m2"] {
         if let Ok(i) = s.consumer_info(consumer).await {
             lines.push(format!(
-                "  {consumer}: pending {} ack pending {} ack floor {}",
-                i.num_pending, i.num_ack_pending, i.ack_floor.stream_sequence
+                "  {consumer}: pending {} ack pending {} ack floor {} delivered {} pinned {:?}",
+                i.num_pending,
+                i.num_ack_pending,
+                i.ack_floor.stream_sequence,
+                i.delivered.stream_sequence,
+                i.priority_groups.iter().filter_map(|g| g.pinned_client_id.clone()).collect::<Vec<_>>()
             ));
         }
     }
     lines.join("\n")
+}
+
+/// What keygate says of the first stage: its group view, with each
+/// member's instances, pin status and blocked lanes (a stalled run's
+/// evidence, whatever the log level).
+async fn keygate_view(http: &reqwest::Client, alive: &Alive) -> String {
+    let url = format!("{}/v1/streams/ORD/groups/enrich", base_of(alive));
+    match http.get(url).send().await {
+        Ok(answer) => answer.text().await.unwrap_or_default(),
+        Err(e) => format!("no group view: {e}"),
+    }
 }
 
 /// The key a delivery was published with, from its body (`{"i": n}` is
@@ -329,11 +344,12 @@ async fn one_run(run: usize) {
         assert!(
             drain_started.elapsed() < DRAIN_LIMIT,
             "run {run}: {} messages answered 2xx to the publisher never reached their endpoint with a 2xx \
-             (first: {:?}); LEDGER holds {in_ledger} of {}\n{}",
+             (first: {:?}); LEDGER holds {in_ledger} of {}\n{}\nkeygate's view of enrich: {}",
             missing.len(),
             missing.iter().take(10).collect::<Vec<_>>(),
             published.len(),
-            server_view(&cluster).await
+            server_view(&cluster).await,
+            keygate_view(&http, &alive).await
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
     };

@@ -315,6 +315,12 @@ async fn websocket_and_pull_clients_acks_publish_their_outputs_before_the_ack() 
         assert_eq!(&vec![data["order"].as_u64().unwrap()], &published[key.as_str()], "{key}");
         assert_eq!(id, &format!("ORDERS:g:{}:0", data["order"]));
     }
+    // The group view (and the dashboard from it) names the streams an instance publishes to.
+    eventually(WAIT, || async {
+        let (_, view) = app.get("/v1/streams/ORDERS/groups/g").await;
+        (view["assignment"][0]["instances"][0]["outputs"] == json!(["PAYMENTS"])).then_some(())
+    })
+    .await;
     // An ack whose outputs name an undeclared stream is a retry: the same
     // message again, nothing published; then a plain ack settles it.
     publish(&app, &["carol"], 1).await;
@@ -324,6 +330,12 @@ async fn websocket_and_pull_clients_acks_publish_their_outputs_before_the_ack() 
     let again = socket.next_of("message", WAIT).await;
     assert_eq!((&again["id"], &again["attempt"]), (&message["id"], &json!(2)), "{again}");
     socket.send(json!({"type": "ack", "id": again["id"]})).await;
+    // Applied before the connection closes (a close would hand it to the pull client below).
+    eventually(WAIT, || async {
+        let info = app.js.get_stream("ORDERS").await.ok()?.consumer_info("g-m1").await.ok()?;
+        (info.num_ack_pending == 0 && info.num_pending == 0).then_some(())
+    })
+    .await;
     socket.close().await;
     assert_eq!(stored(&app.js, "PAYMENTS").await.len(), 2, "nothing published for the refused ack");
 

@@ -54,6 +54,7 @@ impl Driver {
             floors: Default::default(),
             session: self.session_id,
             pinned: self.pin.is_pinned(),
+            outputs: self.shared.endpoint.declared_outputs().iter().map(|o| o.to_string()).collect(),
         };
         if in_full {
             let state = self.shared.lock();

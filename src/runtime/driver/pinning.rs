@@ -115,7 +115,9 @@ impl Driver {
     /// Tells the roster (and through it the group view) the pin this
     /// instance holds now and its token.
     pub(super) fn report_pin(&self) {
-        self.ctx().cluster.roster.set_pin(self.who(), self.session_id, self.pin.id(), self.pin.token());
+        let roster = &self.ctx().cluster.roster;
+        roster.set_pin(self.who(), self.session_id, self.pin.id(), self.pin.token());
+        roster.set_outputs(self.who(), self.session_id, self.shared.endpoint.declared_outputs());
     }
 
     /// Raises the member's fencing token in KV; while it cannot, the pin
@@ -128,7 +130,8 @@ impl Driver {
                 self.pin.set_token(token);
                 self.report_pin();
             }
-            Err(e) => tracing::warn!(error = %e, "raising the fencing token failed; holding deliveries"),
+            Err(e) => tracing::warn!(consumer = %self.joined.consumer, error = %e,
+                "raising the fencing token failed; holding deliveries"),
         }
     }
 
@@ -202,6 +205,8 @@ impl Driver {
             if self.pin.token_pending() {
                 return;
             }
+            tracing::info!(consumer = %self.joined.consumer, token = ?self.pin.token(),
+                "fencing token raised after holding deliveries");
         }
         let (barrier, ours, parked, highest) = {
             let state = self.shared.lock();
