@@ -287,8 +287,9 @@ async fn one_run(run: usize) {
     // With `KEYGATE_NODE_LOSS_OUTPUTS_LEADER` set, the outputs' target
     // stream loses its leader in the same kill: PAYMENTS' leader is moved
     // to ORD's leader's node first. Not yet in the test command: one run of
-    // twenty-one by hand stalled (a member's consumer at its 1,000
-    // ack-pending limit for the whole drain), and its cause is not found yet.
+    // twenty-nine by hand stalled (a member's consumer at its 1,000
+    // ack-pending limit for the whole drain), and its cause is not found yet;
+    // a stall now prints keygate's view of the group beside the server's.
     let leader_name = cluster.leader_of("ORD").await;
     let js = async_nats::jetstream::new(async_nats::connect(cluster.addrs()).await.unwrap());
     let move_outputs_leader = std::env::var_os("KEYGATE_NODE_LOSS_OUTPUTS_LEADER").is_some();
