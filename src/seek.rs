@@ -42,7 +42,6 @@ crate::error::flows_into!(SeekErrorKind: crate::nats::errors::BrokerErrorKind, c
 pub type SeekError = DomainError<SeekErrorKind>;
 use crate::groups::config::ownership;
 use crate::groups::spec::consumer_of;
-use crate::groups::store::DEFAULT_ACK_WAIT_MS;
 use crate::groups::{GroupAdmin, GroupKind};
 use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
 use crate::names::{MemberRef, Owner};
@@ -163,8 +162,7 @@ pub async fn seek_group(
         ));
     }
     let first = first_message(js, stream).await?;
-    let ack_wait =
-        Duration::from_millis(groups.settings(stream, group).await?.ack_wait_ms.unwrap_or(DEFAULT_ACK_WAIT_MS));
+    let ack_wait = groups.settings(stream, group).await?.ack_wait();
     let members: Vec<String> =
         ownership(config.partitions(), config.members(), config.mappings()).into_iter().map(|(m, _)| m).collect();
     let who = |member: &str| -> Result<MemberRef, Error> {

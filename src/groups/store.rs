@@ -37,6 +37,11 @@ impl GroupSettings {
         Self { ack_wait_ms: spec.ack_wait_ms, ordering: spec.ordering }
     }
 
+    /// The group's ack wait (pcgroups' default when it sets none).
+    pub fn ack_wait(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.ack_wait_ms.unwrap_or(DEFAULT_ACK_WAIT_MS))
+    }
+
     /// The ordering the group keeps.
     pub fn ordering(&self) -> Ordering {
         self.ordering.unwrap_or(Ordering::UNSTATED)

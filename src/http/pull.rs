@@ -19,7 +19,7 @@ use crate::delivery::frames::ClientFrame;
 use crate::delivery::outputs::OutputMessage;
 use crate::delivery::pull::{replica_of, PulledMessage};
 use crate::http::problem::{ApiError, Problem};
-use crate::http::webhooks::check_client_outputs;
+use crate::http::webhooks::{check_client_outputs, output_names};
 use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
 use crate::runtime::join::pinned_ttl;
 use crate::runtime::pull_instances::{PullInstance, PullTarget, SettleFailure, StartOptions};
@@ -223,7 +223,7 @@ pub async fn fetch_member(
     let named = request.max_attempts.is_some() || request.max_in_flight.is_some() || request.outputs.is_some();
     let max_attempts = max_attempts_of(request.max_attempts)?;
     check_max_in_flight(request.max_in_flight)?;
-    let names = output_names(request.outputs)?;
+    let names = output_names(request.outputs.iter().flatten().map(String::as_str))?;
     let (instance, outputs) = match pulls.get(&target) {
         Some(instance) => {
             let ack_wait = instance.options.ack_wait;
@@ -232,9 +232,7 @@ pub async fn fetch_member(
         }
         None => {
             super::target::group_member(&state, stream.clone(), group.clone(), member.clone()).await?;
-            let settings = state.runtime.stores.groups.settings(&stream, &group).await?;
-            let ack_wait =
-                Duration::from_millis(settings.ack_wait_ms.unwrap_or(crate::groups::store::DEFAULT_ACK_WAIT_MS));
+            let ack_wait = state.runtime.stores.groups.settings(&stream, &group).await?.ack_wait();
             let outputs = check_client_outputs(&state, caller.as_deref(), names, max_attempts, ack_wait).await?;
             let options = StartOptions {
                 max_attempts,
@@ -307,8 +305,8 @@ pub async fn fetch_subscriber(
         request.concurrency,
     )?;
     let ack_wait = Duration::from_millis(current.ack_wait_ms);
-    let outputs =
-        check_client_outputs(&state, caller.as_deref(), output_names(request.outputs)?, max_attempts, ack_wait).await?;
+    let names = output_names(request.outputs.iter().flatten().map(String::as_str))?;
+    let outputs = check_client_outputs(&state, caller.as_deref(), names, max_attempts, ack_wait).await?;
     let options = StartOptions {
         max_attempts,
         max_in_flight: None,
@@ -390,15 +388,6 @@ fn started_otherwise(target: &PullTarget, instance: &PullInstance) -> ApiError {
         "this keygate's pull instance of {target} runs with other start options ({running}); fetch without them, \
          or with the same, or let it stop (no fetches for the pin's TTL) first"
     ))
-}
-
-/// A fetch's `outputs`, as stream names (none when not given).
-fn output_names(outputs: Option<Vec<String>>) -> Result<Vec<StreamName>, ApiError> {
-    outputs
-        .unwrap_or_default()
-        .iter()
-        .map(|name| StreamName::parse(name).map_err(|e| ApiError::BadRequest(format!("outputs: {e}"))))
-        .collect()
 }
 
 /// The visibility timeout a fetch asks for, within the ack wait.

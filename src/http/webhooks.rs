@@ -76,6 +76,14 @@ pub async fn check_outputs(state: &AppState, caller: Option<&Caller>, spec: &Web
     check_declared_outputs(state, caller, &spec.outputs()?, &horizon).await
 }
 
+/// Stream names given as a WebSocket join's or a fetch's `outputs`.
+pub fn output_names<'a>(names: impl IntoIterator<Item = &'a str>) -> Result<Vec<StreamName>, ApiError> {
+    names
+        .into_iter()
+        .map(|name| StreamName::parse(name).map_err(|e| ApiError::BadRequest(format!("outputs: {e}"))))
+        .collect()
+}
+
 /// The outputs a WebSocket join or a pull instance's first fetch declares
 /// (`names`), checked as a registration's are, against the horizon of a
 /// client that answers each delivery within the consumer's `ack_wait`.

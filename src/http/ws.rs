@@ -22,7 +22,7 @@ use crate::delivery::frames::{client_frames, ClientFrame, ServerFrame};
 use crate::delivery::websocket::SocketEndpoint;
 use crate::delivery::BatchLimits;
 use crate::http::problem::{ApiError, Problem};
-use crate::http::webhooks::check_client_outputs;
+use crate::http::webhooks::{check_client_outputs, output_names};
 use crate::names::{ConsumerName, GroupName, MemberName, StreamName};
 use crate::runtime::endpoint::Endpoint;
 use crate::runtime::instance::serve;
@@ -99,9 +99,8 @@ pub async fn join_member(
     crate::webhook::check_max_in_flight(options.max_in_flight)?;
     limits.max_in_flight = options.max_in_flight;
     let who = super::target::group_member(&state, stream, group, member).await?;
-    if let Some(names) = output_names(options.outputs.as_deref())? {
-        let settings = state.runtime.stores.groups.settings(&who.stream, &who.group).await?;
-        let ack_wait = Duration::from_millis(settings.ack_wait_ms.unwrap_or(crate::groups::store::DEFAULT_ACK_WAIT_MS));
+    if let Some(names) = joined_outputs(options.outputs.as_deref())? {
+        let ack_wait = state.runtime.stores.groups.settings(&who.stream, &who.group).await?.ack_wait();
         limits.outputs = check_client_outputs(&state, caller.as_deref(), names, limits.max_attempts, ack_wait).await?;
     }
     let instances = state.runtime.clone();
@@ -222,7 +221,7 @@ pub async fn join_consumer(
     let batch = batch_of(options.batch, options.batch_wait_ms)?;
     let (upgrade, mut limits) = accept(upgrade, &headers, &state, options.max_attempts, batch)?;
     let (who, current) = super::target::consumer_subscriber(&state, stream, consumer, subscriber).await?;
-    if let Some(names) = output_names(options.outputs.as_deref())? {
+    if let Some(names) = joined_outputs(options.outputs.as_deref())? {
         let ack_wait = Duration::from_millis(current.ack_wait_ms);
         limits.outputs = check_client_outputs(&state, caller.as_deref(), names, limits.max_attempts, ack_wait).await?;
     }
@@ -282,13 +281,8 @@ struct SocketLimits {
 }
 
 /// A join's `outputs`, comma-separated stream names; `None` when not given.
-fn output_names(outputs: Option<&str>) -> Result<Option<Vec<StreamName>>, ApiError> {
-    let Some(outputs) = outputs else { return Ok(None) };
-    let names = outputs
-        .split(',')
-        .map(|name| StreamName::parse(name.trim()).map_err(|e| ApiError::BadRequest(format!("outputs: {e}"))))
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(Some(names))
+fn joined_outputs(outputs: Option<&str>) -> Result<Option<Vec<StreamName>>, ApiError> {
+    outputs.map(|list| output_names(list.split(',').map(str::trim))).transpose()
 }
 
 /// A join's `batch` and `batch_wait_ms`, checked as a webhook's `batch` is.

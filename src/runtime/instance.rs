@@ -19,7 +19,7 @@ use crate::delivery::message::Partitioning;
 use crate::events::Event;
 use crate::groups::config::{ELASTIC_BUCKET, PRIORITY_GROUP, STATIC_BUCKET};
 use crate::groups::spec::filter_subjects_of;
-use crate::groups::store::{DEFAULT_ACK_WAIT_MS, SETTINGS_BUCKET};
+use crate::groups::store::SETTINGS_BUCKET;
 use crate::groups::{GroupConfig, GroupKind};
 use crate::names::MemberRef;
 use crate::pauses::{wait_while_paused, Waited, PAUSES_BUCKET};
@@ -178,7 +178,7 @@ async fn join_member(
     // Unreadable settings keep the defaults: ack wait 5 s and partition
     // ordering, the stricter order.
     let settings = Box::pin(ctx.stores.groups.settings(&who.stream, &who.group)).await.unwrap_or_default();
-    let ack_wait = Duration::from_millis(settings.ack_wait_ms.unwrap_or(DEFAULT_ACK_WAIT_MS));
+    let ack_wait = settings.ack_wait();
     let partitions = config.partitions_of(who.member.as_str());
     if last_partitions.as_ref() != Some(&partitions) {
         ctx.events.emit(Event::assignment_changed(ctx.about(who), partitions.clone()));

@@ -162,15 +162,9 @@ async fn the_js_client_subscribes_to_a_plain_consumer_with_its_concurrency() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_js_client_joins_with_batch_and_answers_each_batch_in_one_frame() {
     let app = TestApp::start().await;
-    app.create_stream("JS", json!({"subjects":["js.*"],"partitions":2})).await;
-    let group = json!({"kind":"static","partitions":2,"members":["web"],"ack_wait_ms":2000});
-    assert_eq!(app.put("/v1/streams/JS/groups/g", group).await.0, 201);
-    // The backlog first, then the member.
     let keys = ["a", "b", "c", "d"];
     let messages: Vec<Value> = (0..40).map(|n| json!({"key": keys[n % 4], "data": {"n": n}})).collect();
-    assert_eq!(app.post("/v1/streams/JS/messages/batch", json!({"messages": messages})).await.0, 200);
-    let mut browser = Browser::launch().await;
-    browser.navigate(&app.url("/demo")).await;
+    let mut browser = backlog_then_browser(&app, messages).await;
     let joined = browser
         .eval(
             r#"(async () => {
@@ -226,14 +220,9 @@ async fn the_js_client_joins_with_batch_and_answers_each_batch_in_one_frame() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_js_client_acks_with_outputs_as_a_pipeline_stage() {
     let app = TestApp::start().await;
-    app.create_stream("JS", json!({"subjects":["js.*"],"partitions":2})).await;
     app.create_stream("OUT", json!({"subjects":["out.*"],"partitions":2,"duplicate_window_ms":600_000})).await;
-    let group = json!({"kind":"static","partitions":2,"members":["web"],"ack_wait_ms":2000});
-    assert_eq!(app.put("/v1/streams/JS/groups/g", group).await.0, 201);
     let messages: Vec<Value> = (0..10).map(|n| json!({"key": format!("k{}", n % 3), "data": {"n": n}})).collect();
-    assert_eq!(app.post("/v1/streams/JS/messages/batch", json!({"messages": messages})).await.0, 200);
-    let mut browser = Browser::launch().await;
-    browser.navigate(&app.url("/demo")).await;
+    let mut browser = backlog_then_browser(&app, messages).await;
     let joined = browser
         .eval(
             r#"(async () => {
@@ -270,4 +259,17 @@ async fn the_js_client_acks_with_outputs_as_a_pipeline_stage() {
     let mut from: Vec<u64> = stored.iter().map(|(_, d)| d["from"].as_u64().unwrap()).collect();
     from.sort_unstable();
     assert_eq!(from, (1..=10).collect::<Vec<u64>>(), "one output per message");
+}
+
+/// The user's order: stream JS (2 partitions) and group g of member `web`,
+/// `messages` published, and only then a browser on `/demo`, where the
+/// member joins.
+async fn backlog_then_browser(app: &TestApp, messages: Vec<Value>) -> Browser {
+    app.create_stream("JS", json!({"subjects":["js.*"],"partitions":2})).await;
+    let group = json!({"kind":"static","partitions":2,"members":["web"],"ack_wait_ms":2000});
+    assert_eq!(app.put("/v1/streams/JS/groups/g", group).await.0, 201);
+    assert_eq!(app.post("/v1/streams/JS/messages/batch", json!({"messages": messages})).await.0, 200);
+    let mut browser = Browser::launch().await;
+    browser.navigate(&app.url("/demo")).await;
+    browser
 }

@@ -73,6 +73,15 @@ async fn stored(js: &jetstream::Context, stream: &str) -> Vec<(String, String, V
     all
 }
 
+/// A stream's messages (as [`stored`] reads them) once it holds `count`.
+async fn stored_once(app: &TestApp, stream: &str, count: usize) -> Vec<(String, String, Value)> {
+    eventually(WAIT, || async {
+        let all = stored(&app.js, stream).await;
+        (all.len() == count).then_some(all)
+    })
+    .await
+}
+
 /// Outputs the target streams dropped as duplicates, by the metric (`None`
 /// before the first).
 async fn duplicate_outputs(app: &TestApp) -> Option<f64> {
@@ -89,11 +98,7 @@ async fn outputs_are_stored_in_key_order_with_ids_a_replay_publishes_again_as_du
     hook(&app, &receiver, json!(["PAYMENTS"])).await;
     let mut events = app.nats.subscribe("keygate.events.ORDERS.g.m1.>").await.unwrap();
     let published = publish(&app, &["alice", "bob", "carol"], 10).await;
-    let outputs = eventually(WAIT, || async {
-        let outputs = stored(&app.js, "PAYMENTS").await;
-        (outputs.len() == 30).then_some(outputs)
-    })
-    .await;
+    let outputs = stored_once(&app, "PAYMENTS", 30).await;
     // Each output's id names the order it came from; each key's payments
     // are in its orders' order.
     for (key, seqs) in &published {
@@ -229,11 +234,7 @@ async fn answers_that_cannot_be_published_whole_are_dead_lettered_with_nothing_p
         assert_eq!(letter["attempts"], 2, "{letter}");
     }
     // Only the second message of each key published: its one payment.
-    let outputs = eventually(WAIT, || async {
-        let outputs = stored(&app.js, "PAYMENTS").await;
-        (outputs.len() == kinds.len()).then_some(outputs)
-    })
-    .await;
+    let outputs = stored_once(&app, "PAYMENTS", kinds.len()).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(stored(&app.js, "PAYMENTS").await.len(), kinds.len(), "nothing of a refused answer is published");
     for (key, seqs) in &published {
@@ -306,11 +307,7 @@ async fn websocket_and_pull_clients_acks_publish_their_outputs_before_the_ack() 
         let message = socket.next_of("message", WAIT).await;
         socket.send(json!({"type": "ack", "id": message["id"], "publish": [payment_of(&message)]})).await;
     }
-    let payments = eventually(WAIT, || async {
-        let payments = stored(&app.js, "PAYMENTS").await;
-        (payments.len() == 2).then_some(payments)
-    })
-    .await;
+    let payments = stored_once(&app, "PAYMENTS", 2).await;
     for (id, key, data) in &payments {
         assert_eq!(&vec![data["order"].as_u64().unwrap()], &published[key.as_str()], "{key}");
         assert_eq!(id, &format!("ORDERS:g:{}:0", data["order"]));
@@ -352,11 +349,7 @@ async fn websocket_and_pull_clients_acks_publish_their_outputs_before_the_ack() 
     let acks = json!({"ack": [{"id": message["ack_id"], "publish": [payment_of(&message)]}]});
     let (status, answer) = app.post("/v1/streams/ORDERS/groups/g/members/m1/acks", acks).await;
     assert_eq!((status, &answer["settled"]), (200, &json!(1)), "{answer}");
-    let payments = eventually(WAIT, || async {
-        let payments = stored(&app.js, "PAYMENTS").await;
-        (payments.len() == 3).then_some(payments)
-    })
-    .await;
+    let payments = stored_once(&app, "PAYMENTS", 3).await;
     let (id, key, data) = &payments[2];
     assert_eq!((key.as_str(), data["order"].as_u64().unwrap()), ("dave", published["dave"][0]));
     assert_eq!(id, &format!("ORDERS:g:{}:0", published["dave"][0]));
@@ -384,11 +377,7 @@ async fn a_batched_webhooks_results_carry_each_messages_outputs() {
     let (status, view) = app.put("/v1/streams/ORDERS/groups/g/members/m1/webhook", body).await;
     assert_eq!(status, 201, "{view}");
     let published = publish(&app, &["alice", "bob", "carol"], 10).await;
-    let payments = eventually(WAIT, || async {
-        let payments = stored(&app.js, "PAYMENTS").await;
-        (payments.len() == 30).then_some(payments)
-    })
-    .await;
+    let payments = stored_once(&app, "PAYMENTS", 30).await;
     for (key, seqs) in &published {
         let orders: Vec<u64> =
             payments.iter().filter(|(_, k, _)| k == key).map(|(_, _, d)| d["order"].as_u64().unwrap()).collect();
@@ -434,5 +423,5 @@ async fn declaring_or_acking_with_outputs_needs_the_publish_scope_of_each_stream
     assert_eq!(status, 403, "{problem}");
     let (status, answer) = call(&app, "POST", acks_path, Some(&both), Some(acks)).await;
     assert_eq!((status, &answer["settled"]), (200, &json!(1)), "{answer}");
-    eventually(WAIT, || async { (stored(&app.js, "PAYMENTS").await.len() == 1).then_some(()) }).await;
+    stored_once(&app, "PAYMENTS", 1).await;
 }
