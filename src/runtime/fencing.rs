@@ -2,8 +2,6 @@
 //! whenever an instance gains the member's pin, so it grows across
 //! instances and restarts.
 
-use std::time::Duration;
-
 use async_nats::jetstream::kv;
 use bytes::Bytes;
 
@@ -12,14 +10,6 @@ use crate::nats::errors::BrokerError;
 
 /// KV bucket of fencing counters, key `<stream>.<group>.<member>`.
 pub const FENCING_BUCKET: &str = "keygate-fencing";
-
-/// The longest one attempt to raise a token may take. The driver's loop
-/// waits for it, so while the bucket has no leader (a node lost) a request
-/// waiting out NATS's own 5 s timeout held the instance's pulls, keep-alive
-/// rounds and pin checks for those 5 s, again at every retry. A healthy
-/// bucket answers in milliseconds; a pin whose token is not raised in time
-/// stays pending and is retried at the next pin check.
-pub const PATIENCE: Duration = Duration::from_secs(1);
 
 /// Why a fencing token could not be raised (the pin then stays with its
 /// token pending and nothing is delivered).
@@ -31,18 +21,10 @@ pub enum FencingError {
     Read(#[from] kv::EntryError),
     #[error("the fencing counter kept changing")]
     KeptChanging,
-    #[error("the fencing bucket did not answer within {PATIENCE:?}")]
-    TookTooLong,
 }
 
-/// Raises the member's fencing token and returns the new value, or gives
-/// up after [`PATIENCE`]. A token written just as time runs out is only
-/// skipped: the next raise counts on from it.
+/// Raises the member's fencing token and returns the new value.
 pub async fn next_token(buckets: &Buckets, key: &str) -> Result<u64, FencingError> {
-    tokio::time::timeout(PATIENCE, raise(buckets, key)).await.unwrap_or(Err(FencingError::TookTooLong))
-}
-
-async fn raise(buckets: &Buckets, key: &str) -> Result<u64, FencingError> {
     let store = buckets.open_or_create(BucketSpec::state(FENCING_BUCKET, "keygate: fencing tokens per member")).await?;
     for _ in 0..64 {
         let current = store.entry(key).await?;

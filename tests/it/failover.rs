@@ -215,23 +215,3 @@ async fn instances_pull_again_as_soon_as_keygate_reconnects_to_a_restarted_serve
     println!("delivered {:.2} s after the server restarted", took.as_secs_f64());
     assert!(took < Duration::from_secs(4), "the instance waited for its forgotten pull to end: {took:?}");
 }
-
-/// While the fencing bucket does not answer (its stream has no leader, its
-/// node is gone), raising a token gives up after its patience instead of
-/// NATS's own 5 s request timeout: the pinned instance's loop, which waits
-/// for it, goes on pulling and checking its pin (src/runtime/fencing.rs).
-#[tokio::test]
-async fn raising_a_fencing_token_gives_up_after_its_patience_when_the_bucket_does_not_answer() {
-    use keygate::runtime::fencing::{next_token, FencingError};
-    let server = NatsServer::start();
-    let proxy =
-        crate::support::proxy::CuttableProxy::start(format!("127.0.0.1:{}", server.url().rsplit(':').next().unwrap()))
-            .await;
-    let client = async_nats::connect(proxy.url()).await.unwrap();
-    let buckets = keygate::nats::buckets::Buckets::new(async_nats::jetstream::new(client), None);
-    assert_eq!(next_token(&buckets, "S.g.m").await.unwrap(), 1);
-    assert_eq!(next_token(&buckets, "S.g.m").await.unwrap(), 2, "each raise counts on");
-    proxy.hold_server_bytes();
-    let refused = next_token(&buckets, "S.g.m").await.unwrap_err();
-    assert!(matches!(refused, FencingError::TookTooLong), "{refused}");
-}
