@@ -49,10 +49,7 @@ async fn redrive(
     let shape = streams.shape(&stream).await?;
     let prepared =
         publish::prepare(&shape, republished(letter), None, max_payload)?.redriven_from(&letter.id(), max_payload)?;
-    let mut results = publish::publish_all(js, &shape, vec![Ok(prepared)]).await;
-    let ack = results
-        .pop()
-        .unwrap_or_else(|| Err(publish::PublishError::new(publish::PublishErrorKind::Internal, "no publish result")))?;
+    let ack = publish::publish_one(js, &shape, Ok(prepared)).await?;
     let redriven = Redriven {
         at: time::OffsetDateTime::now_utc(),
         stream: ack.stream,

@@ -1,12 +1,12 @@
 //! Who may call which route: the access rule of every route (one table,
-//! used both to enforce and to document), the middleware that enforces it,
+//! used both to enforce and to document), the check that enforces it (run
+//! by the `/v1` routes' middleware in src/http/mod.rs),
 //! and the OpenAPI security it publishes.
 
 use std::collections::HashMap;
 
-use axum::extract::{MatchedPath, RawPathParams, Request, State};
+use axum::extract::{MatchedPath, RawPathParams, Request};
 use axum::http::{header, Method};
-use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use utoipa::openapi::path::Operation;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme};
@@ -96,18 +96,14 @@ pub fn access_for(method: &Method, template: &str) -> Access {
     Access::Admin
 }
 
-/// Enforces [`access_for`] on every routed request when keygate has keys.
-pub async fn authorize(
-    State(state): State<AppState>,
-    path: RawPathParams,
-    mut request: Request,
-    next: Next,
-) -> Response {
-    let Some(verifier) = state.verifier.clone() else { return next.run(request).await };
+/// Enforces [`access_for`] on a routed request when keygate has keys: the
+/// refusal, or the request with its [`Caller`] added.
+pub fn authorize(state: &AppState, path: &RawPathParams, request: &mut Request) -> Result<(), Response> {
+    let Some(verifier) = state.verifier.as_ref() else { return Ok(()) };
     let template = request.extensions().get::<MatchedPath>().map(|p| p.as_str().to_owned()).unwrap_or_default();
     let access = access_for(request.method(), &template);
     if access == Access::Open {
-        return next.run(request).await;
+        return Ok(());
     }
     // Only GETs (EventSource, WebSocket): a pull client's POST sets its header.
     let query_token = access.accepts_query_token() && request.method() == Method::GET;
@@ -116,30 +112,25 @@ pub async fn authorize(
     } else {
         HashMap::new()
     };
-    let token = bearer_token(&request).or_else(|| query.remove("access_token")).or_else(|| {
+    let token = bearer_token(request).or_else(|| query.remove("access_token")).or_else(|| {
         if query_token {
-            subprotocol_token(&request)
+            subprotocol_token(request)
         } else {
             None
         }
     });
-    let Some(token) = token else { return ApiError::MissingToken.into_response() };
-    let caller = match verifier.verify(&token) {
-        Ok(caller) => caller,
-        Err(refusal) => return ApiError::Unauthorized(refusal.to_string()).into_response(),
-    };
+    let Some(token) = token else { return Err(ApiError::MissingToken.into_response()) };
+    let caller =
+        verifier.verify(&token).map_err(|refusal| ApiError::Unauthorized(refusal.to_string()).into_response())?;
     let path_param = |name: &str| path.iter().find(|(key, _)| *key == name).map(|(_, value)| value.to_owned());
-    let requirement = match requirement(access, path_param, query) {
-        Ok(requirement) => requirement,
-        Err(e) => return e.into_response(),
-    };
+    let requirement = requirement(access, path_param, query).map_err(IntoResponse::into_response)?;
     if !caller.scopes.allows(&requirement) {
         tracing::info!(subject = caller.subject.as_deref().unwrap_or("-"), ?requirement, "refused: missing scope");
-        return ApiError::Forbidden { scope: requirement.scope().unwrap_or_default() }.into_response();
+        return Err(ApiError::Forbidden { scope: requirement.scope().unwrap_or_default() }.into_response());
     }
     tracing::debug!(subject = caller.subject.as_deref().unwrap_or("-"), "authorized");
     request.extensions_mut().insert(caller);
-    next.run(request).await
+    Ok(())
 }
 
 /// The request's requirement with its own names filled in. Names are parsed

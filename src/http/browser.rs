@@ -11,9 +11,8 @@
 //!   `--ws-allowed-origins` for pages that also open WebSocket members) are
 //!   refused.
 
-use axum::extract::{Request, State};
+use axum::extract::Request;
 use axum::http::{header, HeaderMap, Method};
-use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
 use crate::app::AppState;
@@ -48,16 +47,19 @@ pub fn origin_of(headers: &HeaderMap) -> Option<&str> {
     headers.get(header::ORIGIN).and_then(|v| v.to_str().ok()).filter(|o| !o.is_empty())
 }
 
-/// Refuses rebinding and cross-site requests (see the module's doc).
-pub async fn guard(State(state): State<AppState>, request: Request, next: Next) -> Response {
+/// The refusal of a rebinding or cross-site request (see the module's
+/// doc), if this is one.
+pub fn refusal(state: &AppState, request: &Request) -> Option<Response> {
     let headers = request.headers();
     let host = headers.get(header::HOST).and_then(|v| v.to_str().ok()).unwrap_or_default();
     let open_on_loopback = state.verifier.is_none() && !state.settings.allow_unauthenticated;
     if open_on_loopback && !is_loopback_host(host) {
-        return ApiError::OriginNotAllowed(format!(
-            "without authentication keygate answers only requests addressed to a loopback name, not {host:?}"
-        ))
-        .into_response();
+        return Some(
+            ApiError::OriginNotAllowed(format!(
+                "without authentication keygate answers only requests addressed to a loopback name, not {host:?}"
+            ))
+            .into_response(),
+        );
     }
     let changes_state = !matches!(*request.method(), Method::GET | Method::HEAD | Method::OPTIONS);
     if let Some(origin) = origin_of(headers).filter(|_| changes_state) {
@@ -65,13 +67,15 @@ pub async fn guard(State(state): State<AppState>, request: Request, next: Next) 
         let allowed = origin_allowed(origin, host, &settings.ws_allowed_origins)
             || super::cors::allows(&settings.cors_allowed_origins, origin);
         if !allowed {
-            return ApiError::OriginNotAllowed(format!(
-                "origin {origin} may not change keygate's state (see --cors-allowed-origins)"
-            ))
-            .into_response();
+            return Some(
+                ApiError::OriginNotAllowed(format!(
+                    "origin {origin} may not change keygate's state (see --cors-allowed-origins)"
+                ))
+                .into_response(),
+            );
         }
     }
-    next.run(request).await
+    None
 }
 
 #[cfg(test)]

@@ -150,13 +150,16 @@ pub async fn publish_message(
     State(state): State<AppState>,
     Path(stream): Path<StreamName>,
     Query(query): Query<EventKey>,
-    headers: HeaderMap,
     request: Request,
 ) -> Result<Json<PublishAck>, ApiError> {
     let started = std::time::Instant::now();
-    let idempotency = idempotency_key(&headers)?;
-    let structured = cloudevents::is_structured(&headers);
-    let request = if structured || cloudevents::is_binary(&headers) {
+    let headers = request.headers();
+    let idempotency = idempotency_key(headers)?;
+    let span = tracing::info_span!("publish", stream = %stream, messages = 1);
+    let trace = carried_trace(&span, headers);
+    let structured = cloudevents::is_structured(headers);
+    let mut request = if structured || cloudevents::is_binary(headers) {
+        let headers = headers.clone();
         let body = Bytes::from_request(request, &state).await?;
         let event = match structured {
             true => cloudevents::parse_structured(&body),
@@ -168,21 +171,15 @@ pub async fn publish_message(
     } else {
         Json::<PublishRequest>::from_request(request, &state).await?.0
     };
-    let mut request = request;
-    let span = tracing::info_span!("publish", stream = %stream, messages = 1);
-    if let Some(trace) = carried_trace(&span, &headers) {
+    if let Some(trace) = trace {
         request.carry(&trace);
     }
     async {
         let shape = publishable_shape(&state, &stream).await?;
         let prepared = publish::prepare(&shape, request, idempotency.as_deref(), state.runtime.max_payload());
-        let mut results = publish::publish_all(&state.runtime.broker.js, &shape, vec![prepared]).await;
-        record(&stream, &results, "single", started);
-        results
-            .pop()
-            .unwrap_or_else(|| Err(Error::new(PublishErrorKind::Internal, "no publish result")))
-            .map(Json)
-            .map_err(ApiError::from)
+        let result = publish::publish_one(&state.runtime.broker.js, &shape, prepared).await;
+        record(&stream, std::slice::from_ref(&result), "single", started);
+        result.map(Json).map_err(ApiError::from)
     }
     .instrument(span)
     .await

@@ -196,29 +196,28 @@ pub fn router(state: AppState) -> Router {
         .route("/demo", axum::routing::get(demo_page))
         .route("/ui", axum::routing::get(dashboard_page))
         .route("/client/keygate.js", axum::routing::get(js_client));
-    let mut app = api
-        .route_layer(axum::middleware::from_fn_with_state(state.settings.request_timeout, bounded_in_time))
-        .route_layer(axum::middleware::from_fn_with_state(state.clone(), name_hints::add_case_hint))
-        .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth::authorize))
-        .merge(docs);
+    let mut app = api.route_layer(axum::middleware::from_fn_with_state(state.clone(), api_gate)).merge(docs);
     if !separate_admin {
         app = app.merge(metrics_route());
     }
-    let mut app = app
-        .layer(axum::middleware::from_fn(record_request))
-        .layer(axum::middleware::from_fn_with_state(state.clone(), browser::guard))
+    let app = app
+        .layer(axum::middleware::from_fn_with_state(state.clone(), front_door))
         .fallback(|| async { ApiError::NotFound("no such route".into()) })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed("method not allowed on this route".into()) })
-        .layer(DefaultBodyLimit::max(body_limit))
-        .layer(CatchPanicLayer::custom(|_| ApiError::Internal("a handler panicked".into()).into_response()));
-    // Outside the guard and authentication: a preflight carries no token.
-    if let Some(cors) = cors::layer(&state.settings.cors_allowed_origins) {
-        app = app.layer(cors);
-    }
-    app.layer(TraceLayer::new_for_http().make_span_with(request_span))
-        .layer(PropagateRequestIdLayer::x_request_id())
+        .with_state(state.clone());
+    // Layers of the router itself wrap each of its routes in a boxed
+    // service, which every request then clones and boxes a future for;
+    // these wrap the router once. A panic, the body limit and CORS (outside
+    // the guard and authentication: a preflight carries no token).
+    let outside = tower::ServiceBuilder::new()
         .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
-        .with_state(state)
+        .layer(PropagateRequestIdLayer::x_request_id())
+        .layer(TraceLayer::new_for_http().make_span_with(request_span))
+        .option_layer(cors::layer(&state.settings.cors_allowed_origins))
+        .layer(CatchPanicLayer::custom(|_| ApiError::Internal("a handler panicked".into()).into_response()))
+        .layer(DefaultBodyLimit::max(body_limit))
+        .service(app);
+    Router::new().fallback_service(outside)
 }
 
 /// A browser member: publish, join over WebSocket, ack or NAK by button.
@@ -283,12 +282,33 @@ fn request_span(request: &axum::http::Request<axum::body::Body>) -> tracing::Spa
     span
 }
 
+/// Every `/v1` route's checks, in one middleware (each layer of axum
+/// middleware costs every request a boxed service and future):
+/// authentication, then the time limit, and a hint on a 404 that names a
+/// stream or group by the wrong case (src/http/name_hints.rs).
+async fn api_gate(
+    axum::extract::State(state): axum::extract::State<AppState>,
+    path: axum::extract::RawPathParams,
+    mut request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if let Err(refused) = auth::authorize(&state, &path, &mut request) {
+        return refused;
+    }
+    let hint_target = name_hints::hint_target(&state, &request);
+    let response = bounded_in_time(state.settings.request_timeout, request, next).await;
+    match hint_target {
+        Some(uri) => name_hints::add_case_hint(&state, &uri, response).await,
+        None => response,
+    }
+}
+
 /// Ends a `/v1` request that runs longer than the configured limit with a
 /// 503. Streams are exempt (WebSocket upgrades and the event stream run for
 /// as long as the client stays), fetches bound their own long poll
 /// (`wait_ms`), and the health checks are exempt too.
 async fn bounded_in_time(
-    axum::extract::State(limit): axum::extract::State<std::time::Duration>,
+    limit: std::time::Duration,
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
@@ -305,15 +325,24 @@ async fn bounded_in_time(
     }
 }
 
-/// Counts requests by route template (never the raw path) and status.
-async fn record_request(request: axum::extract::Request, next: axum::middleware::Next) -> Response {
+/// Every routed request: refused when a browser may not make it
+/// (src/http/browser.rs), and counted by route template (never the raw
+/// path), method and status.
+async fn front_door(
+    axum::extract::State(state): axum::extract::State<AppState>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
     let route = request
         .extensions()
         .get::<axum::extract::MatchedPath>()
         .map_or_else(|| "unmatched".to_owned(), |p| p.as_str().to_owned());
     let method = request.method().as_str().to_owned();
     let started = std::time::Instant::now();
-    let response = next.run(request).await;
+    let response = match browser::refusal(&state, &request) {
+        Some(refused) => refused,
+        None => next.run(request).await,
+    };
     let status = response.status().as_u16().to_string();
     metrics::counter!(crate::telemetry::metrics::HTTP_REQUESTS, "route" => route.clone(), "method" => method.clone(), "status" => status)
         .increment(1);

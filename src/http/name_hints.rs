@@ -6,9 +6,8 @@
 //! streams are never named.
 
 use axum::body::Body;
-use axum::extract::{Request, State};
-use axum::http::{header, StatusCode};
-use axum::middleware::Next;
+use axum::extract::Request;
+use axum::http::{header, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 
 use crate::app::AppState;
@@ -19,18 +18,22 @@ use crate::names::StreamName;
 /// Largest problem document rewritten (a 404's is a few hundred bytes).
 const MAX_PROBLEM_BYTES: usize = 16 * 1024;
 
-/// Adds the hint to a 404 answer of a route naming a stream. The path is
-/// read only for a 404 (a cheap clone of the URI on every request).
-pub async fn add_case_hint(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    let uri = request.uri().clone();
+/// The path of a request whose 404 answer may carry a hint: the caller
+/// may see every name. Read before the request runs (a cheap clone of the
+/// URI), looked at only for a 404.
+pub fn hint_target(state: &AppState, request: &Request) -> Option<Uri> {
     let may_see_names = state.verifier.is_none()
         || request.extensions().get::<Caller>().is_some_and(|caller| caller.scopes.allows(&Requirement::Admin));
-    let response = next.run(request).await;
-    if response.status() != StatusCode::NOT_FOUND || !may_see_names {
+    may_see_names.then(|| request.uri().clone())
+}
+
+/// Adds the hint to a 404 answer of a route naming a stream.
+pub async fn add_case_hint(state: &AppState, uri: &Uri, response: Response) -> Response {
+    if response.status() != StatusCode::NOT_FOUND {
         return response;
     }
     let Some((stream, group)) = named_in(uri.path()) else { return response };
-    let Some(hint) = hint(&state, stream, group).await else { return response };
+    let Some(hint) = hint(state, stream, group).await else { return response };
     with_hint(response, &hint).await
 }
 

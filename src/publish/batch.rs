@@ -43,8 +43,13 @@ enum Turn {
 pub async fn publish_all(
     js: &jetstream::Context,
     shape: &StreamShape,
-    prepared: Vec<Result<Prepared, Error>>,
+    mut prepared: Vec<Result<Prepared, Error>>,
 ) -> Vec<Result<PublishAck, Error>> {
+    if prepared.len() == 1 {
+        // One message has no key to wait for: no channel, map or wake-ups.
+        let Some(item) = prepared.pop() else { return Vec::new() };
+        return vec![publish_one(js, shape, item).await];
+    }
     type Sent = Result<(Prepared, jetstream::context::PublishAckFuture), Error>;
     let (tx, mut rx) = tokio::sync::mpsc::channel::<(usize, Sent)>(ACK_WINDOW);
     let total = prepared.len();
@@ -106,23 +111,8 @@ pub async fn publish_all(
             let (subject, result) = match sent {
                 Ok((prepared, ack)) => {
                     let subject = prepared.subject.clone();
-                    let result = match acknowledged(js, &prepared, ack, &resend_until).await {
-                        Ok(ack) if ack.stream != shape.name => Err(Error::new(
-                            Kind::Internal,
-                            format!("message stored in stream {} instead of {}", ack.stream, shape.name),
-                        )),
-                        Ok(ack) if ack.duplicate => Ok(stored_ack(js, shape, ack.sequence, &prepared).await),
-                        Ok(ack) => Ok(PublishAck {
-                            stream: ack.stream,
-                            seq: ack.sequence,
-                            subject: prepared.subject,
-                            partition: prepared.partition,
-                            key: prepared.key,
-                            duplicate: false,
-                        }),
-                        Err(e) => Err(publish_error(e)),
-                    };
-                    (Some(subject), result)
+                    let outcome = acknowledged(js, &prepared, ack, &resend_until).await;
+                    (Some(subject), answer(js, shape, prepared, outcome).await)
                 }
                 Err(e) => (None, Err(e)),
             };
@@ -142,4 +132,41 @@ pub async fn publish_all(
     };
     let ((), results) = tokio::join!(sender, collector);
     results
+}
+
+/// Publishes one message and answers where it was stored.
+pub async fn publish_one(
+    js: &jetstream::Context,
+    shape: &StreamShape,
+    item: Result<Prepared, Error>,
+) -> Result<PublishAck, Error> {
+    let prepared = item?;
+    let ack = js.send_publish(prepared.subject.clone(), prepared.publish()).await.map_err(publish_error)?;
+    let outcome = acknowledged(js, &prepared, ack, &std::sync::Mutex::new(None)).await;
+    answer(js, shape, prepared, outcome).await
+}
+
+/// The answer for a sent message, from the server's acknowledgement.
+async fn answer(
+    js: &jetstream::Context,
+    shape: &StreamShape,
+    prepared: Prepared,
+    outcome: Result<jetstream::publish::PublishAck, jetstream::context::PublishError>,
+) -> Result<PublishAck, Error> {
+    match outcome {
+        Ok(ack) if ack.stream != shape.name => Err(Error::new(
+            Kind::Internal,
+            format!("message stored in stream {} instead of {}", ack.stream, shape.name),
+        )),
+        Ok(ack) if ack.duplicate => Ok(stored_ack(js, shape, ack.sequence, &prepared).await),
+        Ok(ack) => Ok(PublishAck {
+            stream: ack.stream,
+            seq: ack.sequence,
+            subject: prepared.subject,
+            partition: prepared.partition,
+            key: prepared.key,
+            duplicate: false,
+        }),
+        Err(e) => Err(publish_error(e)),
+    }
 }

@@ -9,11 +9,13 @@ mod atomic;
 mod batch;
 mod error;
 mod prepare;
+#[cfg(any(test, feature = "fuzzing"))]
+pub mod properties;
 mod runs;
 mod send;
 
 pub use atomic::{publish_atomic, MAX_ATOMIC_MESSAGES};
-pub use batch::publish_all;
+pub use batch::{publish_all, publish_one};
 pub use error::{PublishError, PublishErrorKind};
 pub use prepare::{prepare, Prepared};
 pub use runs::{publish_batch, RunSlots};

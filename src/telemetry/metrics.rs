@@ -91,10 +91,29 @@ pub fn handle() -> PrometheusHandle {
                 .expect("latency buckets are valid")
                 .build_recorder();
             let handle = recorder.handle();
+            drain_histograms(handle.clone());
             if metrics::set_global_recorder(recorder).is_err() {
                 tracing::warn!("a metrics recorder was already installed; keygate's metrics go there");
             }
             handle
         })
         .clone()
+}
+
+/// How often recorded histogram samples are folded into their buckets.
+const UPKEEP_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The recorder keeps every histogram sample in a queue until an upkeep
+/// folds it into the buckets, and a recorder built with `build_recorder`
+/// runs none of its own: without scrapes, every request's samples stayed
+/// in memory. A thread, not a task: the recorder outlives any one runtime
+/// (tests start several apps in one process).
+fn drain_histograms(handle: PrometheusHandle) {
+    let spawned = std::thread::Builder::new().name("metrics-upkeep".into()).spawn(move || loop {
+        std::thread::sleep(UPKEEP_EVERY);
+        handle.run_upkeep();
+    });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "could not start the metrics upkeep; histograms are folded at each scrape only");
+    }
 }
