@@ -7,7 +7,6 @@ use std::collections::HashMap;
 
 use axum::extract::{MatchedPath, RawPathParams, Request};
 use axum::http::{header, Method};
-use axum::response::{IntoResponse, Response};
 use utoipa::openapi::path::Operation;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme};
 use utoipa::openapi::OpenApi;
@@ -98,7 +97,7 @@ pub fn access_for(method: &Method, template: &str) -> Access {
 
 /// Enforces [`access_for`] on a routed request when keygate has keys: the
 /// refusal, or the request with its [`Caller`] added.
-pub fn authorize(state: &AppState, path: &RawPathParams, request: &mut Request) -> Result<(), Response> {
+pub fn authorize(state: &AppState, path: &RawPathParams, request: &mut Request) -> Result<(), ApiError> {
     let Some(verifier) = state.verifier.as_ref() else { return Ok(()) };
     let template = request.extensions().get::<MatchedPath>().map(|p| p.as_str().to_owned()).unwrap_or_default();
     let access = access_for(request.method(), &template);
@@ -119,14 +118,13 @@ pub fn authorize(state: &AppState, path: &RawPathParams, request: &mut Request) 
             None
         }
     });
-    let Some(token) = token else { return Err(ApiError::MissingToken.into_response()) };
-    let caller =
-        verifier.verify(&token).map_err(|refusal| ApiError::Unauthorized(refusal.to_string()).into_response())?;
+    let Some(token) = token else { return Err(ApiError::MissingToken) };
+    let caller = verifier.verify(&token).map_err(|refusal| ApiError::Unauthorized(refusal.to_string()))?;
     let path_param = |name: &str| path.iter().find(|(key, _)| *key == name).map(|(_, value)| value.to_owned());
-    let requirement = requirement(access, path_param, query).map_err(IntoResponse::into_response)?;
+    let requirement = requirement(access, path_param, query)?;
     if !caller.scopes.allows(&requirement) {
         tracing::info!(subject = caller.subject.as_deref().unwrap_or("-"), ?requirement, "refused: missing scope");
-        return Err(ApiError::Forbidden { scope: requirement.scope().unwrap_or_default() }.into_response());
+        return Err(ApiError::Forbidden { scope: requirement.scope().unwrap_or_default() });
     }
     tracing::debug!(subject = caller.subject.as_deref().unwrap_or("-"), "authorized");
     request.extensions_mut().insert(caller);

@@ -196,12 +196,16 @@ pub fn router(state: AppState) -> Router {
         .route("/demo", axum::routing::get(demo_page))
         .route("/ui", axum::routing::get(dashboard_page))
         .route("/client/keygate.js", axum::routing::get(js_client));
-    let mut app = api.route_layer(axum::middleware::from_fn_with_state(state.clone(), api_gate)).merge(docs);
+    // One middleware per route: each layer of axum middleware costs every
+    // request a boxed service and future.
+    let front_door = || axum::middleware::from_fn_with_state(state.clone(), front_door);
+    let mut app = api
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), api_gate))
+        .merge(docs.route_layer(front_door()));
     if !separate_admin {
-        app = app.merge(metrics_route());
+        app = app.merge(metrics_route().route_layer(front_door()));
     }
     let app = app
-        .layer(axum::middleware::from_fn_with_state(state.clone(), front_door))
         .fallback(|| async { ApiError::NotFound("no such route".into()) })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed("method not allowed on this route".into()) })
         .with_state(state.clone());
@@ -282,25 +286,38 @@ fn request_span(request: &axum::http::Request<axum::body::Body>) -> tracing::Spa
     span
 }
 
-/// Every `/v1` route's checks, in one middleware (each layer of axum
-/// middleware costs every request a boxed service and future):
-/// authentication, then the time limit, and a hint on a 404 that names a
-/// stream or group by the wrong case (src/http/name_hints.rs).
+/// Every API route's checks: the browser guard and the request metrics
+/// ([`front_door`]), authentication, then the time limit, and a hint on a
+/// 404 that names a stream or group by the wrong case
+/// (src/http/name_hints.rs).
 async fn api_gate(
     axum::extract::State(state): axum::extract::State<AppState>,
     path: axum::extract::RawPathParams,
-    mut request: axum::extract::Request,
+    request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    if let Err(refused) = auth::authorize(&state, &path, &mut request) {
-        return refused;
-    }
-    let hint_target = name_hints::hint_target(&state, &request);
-    let response = bounded_in_time(state.settings.request_timeout, request, next).await;
-    match hint_target {
-        Some(uri) => name_hints::add_case_hint(&state, &uri, response).await,
-        None => response,
-    }
+    guarded_and_counted(&state, request, async |mut request| {
+        if let Err(refused) = auth::authorize(&state, &path, &mut request) {
+            return refused.into_response();
+        }
+        let hint_target = name_hints::hint_target(&state, &request);
+        let response = bounded_in_time(state.settings.request_timeout, request, next).await;
+        match hint_target {
+            Some(uri) => name_hints::add_case_hint(&state, &uri, response).await,
+            None => response,
+        }
+    })
+    .await
+}
+
+/// The other routes' checks (documentation, pages, metrics): the browser
+/// guard and the request metrics.
+async fn front_door(
+    axum::extract::State(state): axum::extract::State<AppState>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    guarded_and_counted(&state, request, async |request| next.run(request).await).await
 }
 
 /// Ends a `/v1` request that runs longer than the configured limit with a
@@ -325,13 +342,13 @@ async fn bounded_in_time(
     }
 }
 
-/// Every routed request: refused when a browser may not make it
-/// (src/http/browser.rs), and counted by route template (never the raw
+/// Runs a routed request unless a browser may not make it
+/// (src/http/browser.rs), and counts it by route template (never the raw
 /// path), method and status.
-async fn front_door(
-    axum::extract::State(state): axum::extract::State<AppState>,
+async fn guarded_and_counted(
+    state: &AppState,
     request: axum::extract::Request,
-    next: axum::middleware::Next,
+    run: impl AsyncFnOnce(axum::extract::Request) -> Response,
 ) -> Response {
     let route = request
         .extensions()
@@ -339,9 +356,9 @@ async fn front_door(
         .map_or_else(|| "unmatched".to_owned(), |p| p.as_str().to_owned());
     let method = request.method().as_str().to_owned();
     let started = std::time::Instant::now();
-    let response = match browser::refusal(&state, &request) {
+    let response = match browser::refusal(state, &request) {
         Some(refused) => refused,
-        None => next.run(request).await,
+        None => run(request).await,
     };
     let status = response.status().as_u16().to_string();
     metrics::counter!(crate::telemetry::metrics::HTTP_REQUESTS, "route" => route.clone(), "method" => method.clone(), "status" => status)
