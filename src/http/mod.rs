@@ -209,10 +209,10 @@ pub fn router(state: AppState) -> Router {
         .fallback(|| async { ApiError::NotFound("no such route".into()) })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed("method not allowed on this route".into()) })
         .with_state(state.clone());
-    // Layers of the router itself wrap each of its routes in a boxed
-    // service, which every request then clones and boxes a future for;
-    // these wrap the router once. A panic, the body limit and CORS (outside
-    // the guard and authentication: a preflight carries no token).
+    // These wrap the finished router once: as layers of the router they
+    // would wrap each route in a boxed service, which every request clones
+    // and boxes a future for. CORS stays outside the guard and
+    // authentication (a preflight carries no token).
     let outside = tower::ServiceBuilder::new()
         .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
         .layer(PropagateRequestIdLayer::x_request_id())
