@@ -20,7 +20,13 @@
 //! file), `KEYGATE_BENCH_RUN` (messages of a key in a row in the one-key
 //! rows, default 100: the whole batch);
 //! `KEYGATE_BENCH_PROFILE=single|batch|one-key` runs only keygate's 64
-//! clients, distinct-key batches or one-key batches, for a profiler.
+//! clients, distinct-key batches or one-key batches, for a profiler;
+//! `bare-single|bare-batch|bare-one-key` the same through the bare handler,
+//! so two profiles (or CPU times) of one path can be set side by side.
+//! keygate runs with the log subscriber its binary installs (text at
+//! `info`, a per-layer filter) writing to nowhere, as a user runs it: the
+//! spans it records cost every request. `KEYGATE_BENCH_LOGS=0` runs
+//! without one.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -301,6 +307,13 @@ fn ms(seconds: f64) -> String {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    if std::env::var("KEYGATE_BENCH_LOGS").map_or(true, |v| v != "0") {
+        use tracing_subscriber::layer::SubscriberExt as _;
+        use tracing_subscriber::util::SubscriberInitExt as _;
+        use tracing_subscriber::Layer as _;
+        let logs = tracing_subscriber::fmt::layer().with_writer(std::io::sink);
+        tracing_subscriber::registry().with(logs.with_filter(tracing_subscriber::EnvFilter::new("info"))).init();
+    }
     let n = env_or("KEYGATE_BENCH_MESSAGES", 40_000);
     let rounds = env_or("KEYGATE_BENCH_ROUNDS", 3).max(1);
     let rig = support::Rig::start().await?;
@@ -315,14 +328,17 @@ async fn main() -> anyhow::Result<()> {
         },
     ];
     if let Ok(what) = std::env::var("KEYGATE_BENCH_PROFILE") {
-        let keygate = &targets[2];
-        reset(&js, keygate.stream()).await;
-        let rate = match what.as_str() {
-            "single" => concurrent_rate(keygate, &http, n).await,
-            "batch" => batch_rate(keygate, &http, n, false).await,
-            _ => batch_rate(keygate, &http, n, true).await,
+        let (target, path) = match what.strip_prefix("bare-") {
+            Some(path) => (&targets[1], path),
+            None => (&targets[2], what.as_str()),
         };
-        println!("keygate {what}: {rate:.0} per second");
+        reset(&js, target.stream()).await;
+        let rate = match path {
+            "single" => concurrent_rate(target, &http, n).await,
+            "batch" => batch_rate(target, &http, n, false).await,
+            _ => batch_rate(target, &http, n, true).await,
+        };
+        println!("{what}: {rate:.0} per second");
         rig.stop().await;
         return Ok(());
     }

@@ -35,7 +35,7 @@ pub struct BatchResponse {
 }
 
 fn record(stream: &StreamName, results: &[Result<PublishAck, Error>], kind: &'static str, started: std::time::Instant) {
-    use crate::telemetry::metrics::{PUBLISHED, PUBLISH_SECONDS};
+    use crate::telemetry::metrics::{count_published, time_publish};
     // One increment per outcome and request, not per message.
     let mut counts = [0u64; 3];
     for result in results {
@@ -47,10 +47,10 @@ fn record(stream: &StreamName, results: &[Result<PublishAck, Error>], kind: &'st
     }
     for (outcome, count) in ["stored", "duplicate", "error"].into_iter().zip(counts) {
         if count > 0 {
-            metrics::counter!(PUBLISHED, "stream" => stream.to_string(), "outcome" => outcome).increment(count);
+            count_published(stream.as_str(), outcome, count);
         }
     }
-    metrics::histogram!(PUBLISH_SECONDS, "kind" => kind).record(started.elapsed().as_secs_f64());
+    time_publish(kind, started.elapsed().as_secs_f64());
 }
 
 fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
@@ -155,7 +155,8 @@ pub async fn publish_message(
     let started = std::time::Instant::now();
     let headers = request.headers();
     let idempotency = idempotency_key(headers)?;
-    let span = tracing::info_span!("publish", stream = %stream, messages = 1);
+    // Log lines of the work carry the request span (src/http/mod.rs).
+    let span = crate::telemetry::export_span!("publish", stream = %stream, messages = 1);
     let trace = carried_trace(&span, headers);
     let structured = cloudevents::is_structured(headers);
     let mut request = if structured || cloudevents::is_binary(headers) {
@@ -235,7 +236,7 @@ pub async fn publish_batch(
     headers: HeaderMap,
     Json(mut batch): Json<BatchRequest>,
 ) -> Result<Json<BatchResponse>, ApiError> {
-    let span = tracing::info_span!("publish", stream = %stream, messages = batch.messages.len());
+    let span = crate::telemetry::export_span!("publish", stream = %stream, messages = batch.messages.len());
     if let Some(trace) = carried_trace(&span, &headers) {
         batch.messages.iter_mut().for_each(|message| message.carry(&trace));
     }

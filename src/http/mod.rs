@@ -185,8 +185,20 @@ pub fn openapi_json() -> String {
     text
 }
 
-/// The whole HTTP application.
-pub fn router(state: AppState) -> Router {
+/// The whole HTTP application: the router inside the layers every request
+/// passes. A service, not a `Router`: a router around them would box and
+/// clone a service and box a future for every request once more.
+pub fn router(
+    state: AppState,
+) -> impl tower::Service<
+    axum::extract::Request,
+    Response = Response,
+    Error = std::convert::Infallible,
+    Future: Send + 'static,
+> + Clone
+       + Send
+       + Sync
+       + 'static {
     let (api, doc) = api();
     let body_limit = state.settings.max_body_bytes;
     let docs: Router<AppState> = Router::from(utoipa_swagger_ui::SwaggerUi::new("/docs").url("/openapi.json", doc))
@@ -213,15 +225,15 @@ pub fn router(state: AppState) -> Router {
     // would wrap each route in a boxed service, which every request clones
     // and boxes a future for. CORS stays outside the guard and
     // authentication (a preflight carries no token).
-    let outside = tower::ServiceBuilder::new()
+    tower::ServiceBuilder::new()
+        .map_response(|response: axum::http::Response<_>| response.map(axum::body::Body::new))
         .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(TraceLayer::new_for_http().make_span_with(request_span))
         .option_layer(cors::layer(&state.settings.cors_allowed_origins))
         .layer(CatchPanicLayer::custom(|_| ApiError::Internal("a handler panicked".into()).into_response()))
         .layer(DefaultBodyLimit::max(body_limit))
-        .service(app);
-    Router::new().fallback_service(outside)
+        .service(app)
 }
 
 /// A browser member: publish, join over WebSocket, ack or NAK by button.
@@ -329,9 +341,9 @@ async fn bounded_in_time(
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    let route = request.extensions().get::<axum::extract::MatchedPath>().map(|p| p.as_str().to_owned());
+    let route = request.extensions().get::<axum::extract::MatchedPath>().map(axum::extract::MatchedPath::as_str);
     let exempt = request.headers().contains_key(axum::http::header::UPGRADE)
-        || route.as_deref().is_none_or(|r| !r.starts_with("/v1/") || r == "/v1/events" || r.ends_with("/fetch"));
+        || route.is_none_or(|r| !r.starts_with("/v1/") || r == "/v1/events" || r.ends_with("/fetch"));
     if exempt {
         return next.run(request).await;
     }
@@ -350,21 +362,15 @@ async fn guarded_and_counted(
     request: axum::extract::Request,
     run: impl AsyncFnOnce(axum::extract::Request) -> Response,
 ) -> Response {
-    let route = request
-        .extensions()
-        .get::<axum::extract::MatchedPath>()
-        .map_or_else(|| "unmatched".to_owned(), |p| p.as_str().to_owned());
-    let method = request.method().as_str().to_owned();
+    let route = request.extensions().get::<axum::extract::MatchedPath>().cloned();
+    let method = request.method().clone();
     let started = std::time::Instant::now();
     let response = match browser::refusal(state, &request) {
         Some(refused) => refused,
         None => run(request).await,
     };
-    let status = response.status().as_u16().to_string();
-    metrics::counter!(crate::telemetry::metrics::HTTP_REQUESTS, "route" => route.clone(), "method" => method.clone(), "status" => status)
-        .increment(1);
-    metrics::histogram!(crate::telemetry::metrics::HTTP_SECONDS, "route" => route, "method" => method)
-        .record(started.elapsed().as_secs_f64());
+    let route = route.as_ref().map(axum::extract::MatchedPath::as_str);
+    crate::telemetry::metrics::count_http_request(route, &method, response.status(), started.elapsed().as_secs_f64());
     response
 }
 

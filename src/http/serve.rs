@@ -4,11 +4,13 @@
 //! request line was never disconnected), a cap on open connections, and
 //! graceful shutdown of the connections in progress.
 
+use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::Router;
+use axum::http::Request;
+use axum::response::Response;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto::Builder;
@@ -31,7 +33,11 @@ pub struct ConnectionLimits {
 
 /// Serves `app` on `listener` until `shutdown`, then lets the connections in
 /// progress finish (the caller bounds how long).
-pub async fn serve(listener: TcpListener, app: Router, limits: ConnectionLimits, shutdown: CancellationToken) {
+pub async fn serve<S>(listener: TcpListener, app: S, limits: ConnectionLimits, shutdown: CancellationToken)
+where
+    S: tower::Service<Request<Body>, Response = Response, Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
     let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let graceful = GracefulShutdown::new();
     // HTTP/1.1 only, as before (axum::serve without its http2 feature).
@@ -60,8 +66,7 @@ pub async fn serve(listener: TcpListener, app: Router, limits: ConnectionLimits,
         // Small frames and answers go out at once (WebSocket acks, single
         // publishes) instead of waiting on Nagle's algorithm.
         let _ = tcp.set_nodelay(true);
-        let service =
-            TowerToHyperService::new(app.clone().map_request(|r: axum::http::Request<Incoming>| r.map(Body::new)));
+        let service = TowerToHyperService::new(app.clone().map_request(|r: Request<Incoming>| r.map(Body::new)));
         let connection = builder.serve_connection_with_upgrades(TokioIo::new(tcp), service).into_owned();
         let connection = graceful.watch(connection);
         tokio::spawn(async move {

@@ -166,7 +166,7 @@ pub async fn deliver(
     fencing: u64,
     metrics: &DeliveryMetrics,
 ) -> Outcome {
-    let span = tracing::info_span!("deliver", "otel.kind" = "client", stream = %who.stream, group = %who.group,
+    let span = crate::telemetry::export_span!("deliver", "otel.kind" = "client", stream = %who.stream, group = %who.group,
         member = %who.member, partition = held.partition, seq = held.origin_seq, attempt = held.attempt,
         verdict = tracing::field::Empty, endpoint_ms = tracing::field::Empty);
     if let Some(origin) = TraceContext::from_message(held.message.headers.as_ref()) {
@@ -309,7 +309,7 @@ pub async fn deliver_batch(
     fencing: u64,
     metrics: &DeliveryMetrics,
 ) -> BatchOutcome {
-    let span = tracing::info_span!("deliver_batch", "otel.kind" = "client", stream = %who.stream, group = %who.group,
+    let span = crate::telemetry::export_span!("deliver_batch", "otel.kind" = "client", stream = %who.stream, group = %who.group,
         member = %who.member, messages = batch.len(), endpoint_ms = tracing::field::Empty);
     let _in_flight = InFlight::count(&metrics.in_flight, batch.len());
     let mut events = Vec::new();

@@ -153,7 +153,9 @@ impl Runtime {
 
     /// The largest message the server accepts.
     pub fn max_payload(&self) -> usize {
-        match self.broker.client.server_info().max_payload {
+        // An atomic load: `server_info()` would copy the whole INFO (its
+        // strings and URL lists) on every publish.
+        match self.broker.client.max_payload() {
             0 => 1024 * 1024,
             n => n,
         }

@@ -2,8 +2,11 @@
 //! group and member names, route templates, verdicts; never keys or raw
 //! paths).
 
-use std::sync::OnceLock;
+use std::collections::HashMap;
+use std::hash::Hash;
+use std::sync::{LazyLock, OnceLock, RwLock};
 
+use metrics::{Counter, Histogram};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 /// Messages published through the REST API, by outcome (`stored`, `duplicate`, `error`).
@@ -78,6 +81,92 @@ pub fn render(handle: &PrometheusHandle) -> String {
     handle.render()
 }
 
+/// Counts a request routed through the API or its pages: by route template
+/// (`unmatched` without one), method and status.
+pub fn count_http_request(
+    route: Option<&str>,
+    method: &axum::http::Method,
+    status: axum::http::StatusCode,
+    seconds: f64,
+) {
+    /// A request's count (by method and status) and latency (by method).
+    type Handles = (Counter, Histogram);
+    static SERIES: LazyLock<Series<(&str, u16), Handles>> = LazyLock::new(Series::default);
+    let route = route.unwrap_or("unmatched");
+    let method = method_label(method);
+    let (requests, latency) = SERIES.get(route, (method, status.as_u16()), || {
+        let (route, status) = (route.to_owned(), status.as_str().to_owned());
+        (
+            metrics::counter!(HTTP_REQUESTS, "route" => route.clone(), "method" => method, "status" => status),
+            metrics::histogram!(HTTP_SECONDS, "route" => route, "method" => method),
+        )
+    });
+    requests.increment(1);
+    latency.record(seconds);
+}
+
+/// Counts one publish request's messages of one outcome (`stored`,
+/// `duplicate`, `error`) to `stream`.
+pub fn count_published(stream: &str, outcome: &'static str, messages: u64) {
+    static SERIES: LazyLock<Series<&str, Counter>> = LazyLock::new(Series::default);
+    SERIES
+        .get(stream, outcome, || metrics::counter!(PUBLISHED, "stream" => stream.to_owned(), "outcome" => outcome))
+        .increment(messages);
+}
+
+/// Times one publish request of a kind (`single`, `batch`, `atomic`).
+pub fn time_publish(kind: &'static str, seconds: f64) {
+    static SERIES: LazyLock<Series<(), Histogram>> = LazyLock::new(Series::default);
+    SERIES.get(kind, (), || metrics::histogram!(PUBLISH_SECONDS, "kind" => kind)).record(seconds);
+}
+
+/// A method as a label: the standard ones by name, any other as `other`,
+/// so a client inventing methods cannot add series.
+fn method_label(method: &axum::http::Method) -> &'static str {
+    use axum::http::Method;
+    match *method {
+        Method::GET => "GET",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::DELETE => "DELETE",
+        Method::PATCH => "PATCH",
+        Method::HEAD => "HEAD",
+        Method::OPTIONS => "OPTIONS",
+        Method::CONNECT => "CONNECT",
+        Method::TRACE => "TRACE",
+        _ => "other",
+    }
+}
+
+/// Handles of one labelled metric, kept by their labels: the first a name
+/// (a route template, a stream), the rest small copied values. Registering
+/// a series on every call builds label strings and a key, copies them and
+/// takes the registry's lock; a kept handle costs a read lock and a hash of
+/// the borrowed labels (the publish path's profile, BENCHMARKS.md,
+/// 2026-12-07). Every label of a series must come from a bounded set.
+struct Series<T, H> {
+    handles: RwLock<HashMap<Box<str>, HashMap<T, H>>>,
+}
+
+impl<T, H> Default for Series<T, H> {
+    fn default() -> Self {
+        Self { handles: RwLock::default() }
+    }
+}
+
+impl<T: Copy + Eq + Hash, H: Clone> Series<T, H> {
+    fn get(&self, name: &str, rest: T, register: impl FnOnce() -> H) -> H {
+        let kept =
+            self.handles.read().unwrap_or_else(|p| p.into_inner()).get(name).and_then(|by| by.get(&rest)).cloned();
+        if let Some(handle) = kept {
+            return handle;
+        }
+        let handle = register();
+        let mut handles = self.handles.write().unwrap_or_else(|p| p.into_inner());
+        handles.entry(name.into()).or_default().entry(rest).or_insert(handle).clone()
+    }
+}
+
 const LATENCY_BUCKETS: &[f64] =
     &[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
 
@@ -115,5 +204,35 @@ fn drain_histograms(handle: PrometheusHandle) {
     });
     if let Err(e) = spawned {
         tracing::warn!(error = %e, "could not start the metrics upkeep; histograms are folded at each scrape only");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kept_handles_count_into_the_registered_series_and_methods_stay_bounded() {
+        let handle = handle();
+        let route = Some("/v1/kept-handles-test/{stream}");
+        let post = axum::http::Method::POST;
+        for _ in 0..3 {
+            count_http_request(route, &post, axum::http::StatusCode::OK, 0.001);
+        }
+        count_http_request(route, &post, axum::http::StatusCode::NOT_FOUND, 0.001);
+        for invented in ["BREW", "WHEN", "X-ANY"] {
+            let method = axum::http::Method::from_bytes(invented.as_bytes()).unwrap();
+            count_http_request(route, &method, axum::http::StatusCode::OK, 0.001);
+        }
+        let text = handle.render();
+        let series = |method: &str, status: &str| {
+            format!(
+                r#"keygate_http_requests_total{{route="/v1/kept-handles-test/{{stream}}",method="{method}",status="{status}"}}"#
+            )
+        };
+        assert!(text.contains(&format!("{} 3", series("POST", "200"))), "{text}");
+        assert!(text.contains(&format!("{} 1", series("POST", "404"))), "{text}");
+        assert!(text.contains(&format!("{} 3", series("other", "200"))), "invented methods share one series: {text}");
+        assert!(!text.contains("BREW"), "{text}");
     }
 }

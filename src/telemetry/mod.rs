@@ -141,6 +141,31 @@ pub fn export_requested(env: impl Fn(&str) -> Option<String>) -> bool {
         .any(|name| env(name).is_some_and(|v| !v.trim().is_empty()))
 }
 
+/// Set once the OTLP provider exists: spans made only for export are made.
+static EXPORTING_SPANS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether keygate's spans go out over OTLP. Spans that exist for the
+/// trace alone ([`export_span`]) are not made otherwise: the log subscriber
+/// records every span it is enabled for, at a cost per request
+/// (BENCHMARKS.md, "2026-12-07: the publish path with keygate's logs on").
+pub fn exporting_spans() -> bool {
+    EXPORTING_SPANS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// `tracing::info_span!` when spans are exported, else a disabled span: for
+/// the spans that exist for the trace (the publish and delivery spans),
+/// which the log subscriber would otherwise record on every publish and
+/// delivery.
+macro_rules! export_span {
+    ($($span:tt)*) => {
+        match $crate::telemetry::exporting_spans() {
+            true => tracing::info_span!($($span)*),
+            false => tracing::Span::none(),
+        }
+    };
+}
+pub(crate) use export_span;
+
 /// The tracer provider exporting over OTLP/HTTP (protobuf) in batches, when
 /// the environment asks for it. The exporter reads the standard variables
 /// (endpoint, headers, timeout, batch settings); the service is `keygate`
@@ -162,6 +187,7 @@ pub fn otlp_provider() -> anyhow::Result<Option<SdkTracerProvider>> {
         resource = resource.with_service_name("keygate");
     }
     let provider = SdkTracerProvider::builder().with_batch_exporter(exporter).with_resource(resource.build()).build();
+    EXPORTING_SPANS.store(true, std::sync::atomic::Ordering::Relaxed);
     Ok(Some(provider))
 }
 
