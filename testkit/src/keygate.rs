@@ -80,12 +80,13 @@ impl KeygateProcess {
         })
     }
 
-    /// A benchmark's keygate: errors-only logs and no backlog sampling, so
-    /// what is measured is delivery.
+    /// A benchmark's keygate: logs at `info`, the level users run (its log
+    /// subscriber records what that level enables, at a cost), written to
+    /// nowhere; no backlog sampling, so what is measured is delivery.
     pub fn for_bench(nats: &NatsEndpoint, instance_id: Option<&str>) -> Self {
         Self::launch(Launch {
             instance_id,
-            log_filter: "error",
+            log_filter: "info",
             extra: &["--backlog-sample-secs", "0"],
             ..Launch::plain(nats.clone())
         })
