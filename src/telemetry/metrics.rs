@@ -142,8 +142,9 @@ fn method_label(method: &axum::http::Method) -> &'static str {
 /// (a route template, a stream), the rest small copied values. Registering
 /// a series on every call builds label strings and a key, copies them and
 /// takes the registry's lock; a kept handle costs a read lock and a hash of
-/// the borrowed labels (the publish path's profile, BENCHMARKS.md,
-/// 2026-12-07). Every label of a series must come from a bounded set.
+/// the borrowed labels (BENCHMARKS.md, "2026-12-07 (later): the publish path
+/// with keygate's logs on"). Every label of a series must come from a
+/// bounded set.
 struct Series<T, H> {
     handles: RwLock<HashMap<Box<str>, HashMap<T, H>>>,
 }

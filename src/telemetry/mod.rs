@@ -147,7 +147,8 @@ static EXPORTING_SPANS: std::sync::atomic::AtomicBool = std::sync::atomic::Atomi
 /// Whether keygate's spans go out over OTLP. Spans that exist for the
 /// trace alone ([`export_span`]) are not made otherwise: the log subscriber
 /// records every span it is enabled for, at a cost per request
-/// (BENCHMARKS.md, "2026-12-07: the publish path with keygate's logs on").
+/// (BENCHMARKS.md, "2026-12-07 (later): the publish path with keygate's
+/// logs on").
 pub fn exporting_spans() -> bool {
     EXPORTING_SPANS.load(std::sync::atomic::Ordering::Relaxed)
 }
@@ -226,6 +227,16 @@ mod tests {
         let context = TraceContext::from_lookup(both).unwrap();
         assert_eq!(context.headers().collect::<Vec<_>>(), [(TRACEPARENT, PARENT), (TRACESTATE, "vendor=abc")]);
         assert!(TraceContext::from_lookup(|name| (name == TRACESTATE).then_some("vendor=abc")).is_none());
+    }
+
+    #[test]
+    fn without_export_the_trace_only_spans_are_not_made_even_under_a_log_subscriber() {
+        let logs = tracing_subscriber::fmt().with_max_level(tracing::Level::INFO).with_writer(std::io::sink).finish();
+        tracing::subscriber::with_default(logs, || {
+            assert!(!exporting_spans(), "no OTLP provider in this process");
+            assert!(!tracing::info_span!("request").is_disabled(), "the subscriber records info spans");
+            assert!(export_span!("publish", stream = "S", messages = 1).is_disabled());
+        });
     }
 
     #[test]
