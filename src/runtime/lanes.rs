@@ -219,6 +219,9 @@ pub struct Lanes<M> {
     barrier: bool,
     /// NAK'd messages block their lane (ordered) or are forgotten (unordered).
     ordered: bool,
+    /// How many messages ever left what this instance holds, delivers or
+    /// awaits (settled, forgotten, handed back).
+    departures: u64,
 }
 
 impl<M> Default for Lanes<M> {
@@ -239,6 +242,7 @@ impl<M> Lanes<M> {
             max_in_flight: max_in_flight.max(1),
             barrier: false,
             ordered: true,
+            departures: 0,
         }
     }
 
@@ -349,6 +353,15 @@ impl<M: Clone> Lanes<M> {
         let message = lane.in_flight.remove(&seq);
         if message.is_some() {
             self.in_flight -= 1;
+            // A NAK'd message stays awaited (ordered lanes), a returned one held.
+            let stays = match settled {
+                Settled::Naked { .. } => self.ordered,
+                Settled::Returned => true,
+                Settled::Done(_) | Settled::Abandoned => false,
+            };
+            if !stays {
+                self.departures += 1;
+            }
         }
         match settled {
             Settled::Done(how) => {
@@ -442,6 +455,15 @@ impl<M: Clone> Lanes<M> {
         self.held + self.in_flight
     }
 
+    /// How many messages ever left what this instance holds, delivers or
+    /// awaits. The handover barrier's count is taken before asking the
+    /// server; a departure while it asks (an ack the server applied first)
+    /// would make the server's count look like ours with a message still
+    /// out elsewhere, so a check that sees this change does not lower it.
+    pub fn departures(&self) -> u64 {
+        self.departures
+    }
+
     /// Messages held and not in flight.
     pub fn held_count(&self) -> usize {
         self.held
@@ -499,11 +521,13 @@ impl<M: Clone> Lanes<M> {
         let mut released = Vec::new();
         for lane in self.lanes.values_mut() {
             released.extend(std::mem::take(&mut lane.held).into_values());
+            self.departures += lane.awaiting.len() as u64;
             lane.awaiting.clear();
             lane.blocked = None;
             lane.listed = None;
         }
         self.held = 0;
+        self.departures += released.len() as u64;
         self.ready.clear();
         self.lanes.retain(|_, lane| !lane.is_empty());
         released
@@ -537,7 +561,9 @@ impl<M: Clone> Lanes<M> {
     /// delivered). The lane proceeds with what follows.
     pub fn skip(&mut self, id: &LaneId, seq: u64, how: Option<Settlement>) {
         let Some(lane) = self.lanes.get_mut(id) else { return };
-        lane.awaiting.remove(&seq);
+        if lane.awaiting.remove(&seq).is_some() {
+            self.departures += 1;
+        }
         if lane.blocked.as_ref().is_some_and(|b| b.seq == seq) {
             lane.blocked = None;
         }
@@ -838,6 +864,33 @@ mod tests {
         lanes.settle(&p(0), 2, naked());
         lanes.skip(&p(0), 2, None);
         assert_eq!(lanes.offer(p(0), 2, 2), Offered::Held);
+    }
+
+    #[test]
+    fn departures_count_what_leaves_the_holding_and_nothing_that_stays() {
+        let mut lanes = Lanes::default();
+        for seq in 1..=6 {
+            lanes.offer(k(0, &format!("k{seq}")), seq, seq);
+        }
+        lanes.dispatch();
+        let ours = |l: &Lanes<u64>| l.holding() + l.awaiting();
+        assert_eq!((ours(&lanes), lanes.departures()), (6, 0));
+        lanes.settle(&k(0, "k2"), 2, naked());
+        lanes.settle(&k(0, "k3"), 3, Settled::Returned);
+        assert_eq!((ours(&lanes), lanes.departures()), (6, 0), "awaited and held again: still ours");
+        ack(&mut lanes, &k(0, "k1"), 1);
+        lanes.settle(&k(0, "k4"), 4, Settled::Done(Settlement::Terminated));
+        lanes.skip(&k(0, "k2"), 2, None);
+        assert_eq!((ours(&lanes), lanes.departures()), (3, 3));
+        lanes.offer(k(0, "k7"), 7, 7);
+        lanes.settle(&k(0, "k5"), 5, naked());
+        assert_eq!(lanes.release_held().len(), 2, "k3 and k7");
+        assert_eq!((ours(&lanes), lanes.departures()), (1, 6), "k6 in flight");
+        let mut unordered = Lanes::unordered(10);
+        unordered.offer(LaneId { partition: 0, key: LaneKey::Alone(1) }, 1, 1);
+        unordered.dispatch();
+        unordered.settle(&LaneId { partition: 0, key: LaneKey::Alone(1) }, 1, naked());
+        assert_eq!(unordered.departures(), 1, "a NAK'd message of unordered lanes is not awaited");
     }
 
     #[test]

@@ -10,6 +10,7 @@
 //! - `outputs.rs`: an answer's outputs, stored before its message is acked;
 //! - `runtime/supervisor.rs`, `runtime/pull_instances.rs`: who starts instances.
 
+pub mod barrier;
 pub mod config_watch;
 pub mod deliver;
 pub mod driver;

@@ -142,11 +142,9 @@ fn prepare(
 
 /// Counts one run's outputs by target stream and outcome.
 fn record(stream: &crate::names::StreamName, run: Published) {
-    use crate::telemetry::metrics::OUTPUTS_PUBLISHED;
     for (outcome, count) in [("stored", run.stored), ("duplicate", run.duplicates)] {
         if count > 0 {
-            metrics::counter!(OUTPUTS_PUBLISHED, "stream" => stream.to_string(), "outcome" => outcome)
-                .increment(count as u64);
+            crate::telemetry::metrics::count_outputs_published(stream.as_str(), outcome, count as u64);
         }
     }
 }

@@ -114,6 +114,18 @@ pub fn count_published(stream: &str, outcome: &'static str, messages: u64) {
         .increment(messages);
 }
 
+/// Counts an answer's outputs of one outcome (`stored`, `duplicate`) to `stream`.
+pub fn count_outputs_published(stream: &str, outcome: &'static str, messages: u64) {
+    static SERIES: LazyLock<Series<&str, Counter>> = LazyLock::new(Series::default);
+    SERIES
+        .get(
+            stream,
+            outcome,
+            || metrics::counter!(OUTPUTS_PUBLISHED, "stream" => stream.to_owned(), "outcome" => outcome),
+        )
+        .increment(messages);
+}
+
 /// Times one publish request of a kind (`single`, `batch`, `atomic`).
 pub fn time_publish(kind: &'static str, seconds: f64) {
     static SERIES: LazyLock<Series<(), Histogram>> = LazyLock::new(Series::default);

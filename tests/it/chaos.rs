@@ -455,16 +455,42 @@ fn check_webhook_order(requests: &[Recorded], by_key: &HashMap<String, Vec<u64>>
                 latest = Some(latest.map_or(acked, |l| l.max(acked)));
             }
         }
-        for r in requests_of.get(key).into_iter().flatten() {
+        let key_requests = requests_of.get(key).map(Vec::as_slice).unwrap_or_default();
+        for r in key_requests {
             if let Some(Some(before)) = done_before.get(&r.seq()) {
                 assert!(
                     *before <= r.at,
-                    "key {key}: seq {} was delivered before an earlier message of its key was acknowledged",
-                    r.seq()
+                    "key {key}: seq {} was delivered before an earlier message of its key was acknowledged; \
+                     the key's requests:\n{}",
+                    r.seq(),
+                    key_history(key_requests)
                 );
             }
         }
     }
+}
+
+/// A key's webhook requests as the receiver saw them, one line each in
+/// arrival order (times in ms from the key's first request), so a failed
+/// run's output says which instance (fencing token) sent what when.
+fn key_history(requests: &[&Recorded]) -> String {
+    let mut requests = requests.to_vec();
+    requests.sort_by_key(|r| r.at);
+    let Some(start) = requests.first().map(|r| r.at) else { return String::new() };
+    let ms = |t: Instant| t.saturating_duration_since(start).as_millis();
+    let line = |r: &&Recorded| {
+        format!(
+            "  seq {} attempt {} fencing {} {} at {} ms, answered {} at {} ms",
+            r.seq(),
+            r.attempt(),
+            r.fencing(),
+            r.path,
+            ms(r.at),
+            r.status,
+            r.answered.map_or("never".to_owned(), |t| ms(t).to_string())
+        )
+    };
+    requests.iter().map(line).collect::<Vec<_>>().join("\n")
 }
 
 /// The same for the WebSocket member, whose client acks each message as it

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use super::Driver;
 use crate::cluster::balance::STEP_DOWN_HOLD;
 use crate::delivery::message::Held;
+use crate::runtime::barrier::{decide, Answer, Decision, Holding};
 use crate::runtime::fencing::next_token;
 use crate::runtime::pin::{
     announce_pinned, announce_standby, announce_unpinned, count_pin_change, pinned_here, pinned_to_someone,
@@ -208,10 +209,16 @@ impl Driver {
             tracing::info!(consumer = %self.joined.consumer, token = ?self.pin.token(),
                 "fencing token raised after holding deliveries");
         }
-        let (barrier, ours, parked, highest) = {
-            let state = self.shared.lock();
-            let parked = state.lanes.held_count() + state.lanes.awaiting();
-            (state.lanes.barrier(), state.lanes.holding() + state.lanes.awaiting(), parked, state.lanes.highest())
+        let (barrier, holding) = {
+            let lanes = &self.shared.lock().lanes;
+            let holding = Holding {
+                ours: lanes.holding() + lanes.awaiting(),
+                parked: lanes.held_count() + lanes.awaiting(),
+                in_flight: lanes.in_flight(),
+                highest: lanes.highest(),
+                departures: lanes.departures(),
+            };
+            (lanes.barrier(), holding)
         };
         let barrier = self.pin.is_pinned() && barrier;
         // A standby only waits: the pin comes to it through its pulls.
@@ -228,53 +235,25 @@ impl Driver {
             self.seek_every = (self.seek_every * 2).min(MAX_SEEK_EVERY);
             self.next_seek = Instant::now() + self.seek_every;
         }
-        // `ours` was counted before asking, so messages arriving meanwhile
-        // can only make the server's count higher (the safe side).
+        // `holding` was counted before asking, so messages arriving
+        // meanwhile can only make the server's count higher (the safe
+        // side); what left meanwhile is checked after (`barrier::decide`).
         let Ok(handle) = self.ctx().broker.js.get_stream_no_info(&self.joined.stream_name).await else { return };
         let Ok(info) = handle.consumer_info(&self.joined.consumer).await else { return };
         if barrier {
-            // More here than the consumer counts un-acked: some of what this
-            // instance has was settled elsewhere (a previous holder's
-            // delivery that ended after the message was redelivered here).
-            // Such entries could make the counts below match while another
-            // instance still has a message, so the barrier cannot fall on
-            // them. When the surplus is among the messages waiting here
-            // (not in flight), they go back to the server, which redelivers
-            // (here, the pin being ours) only what is still pending, and
-            // the count starts over; a surplus in flight ends with its
-            // deliveries.
-            if info.num_ack_pending < ours {
-                // A consumer leader whose state lags counts too little
-                // until its deliveries catch up (below): no hand-back then.
-                if info.num_ack_pending < parked && info.delivered.stream_sequence >= highest {
-                    tracing::debug!(consumer = %self.joined.consumer, ack_pending = info.num_ack_pending, ours, parked,
-                        "holding more than the consumer counts: handed back for redelivery");
-                    hand_back(self.shared.lock().lanes.release_held());
-                }
-                return;
-            }
-            // Every message the consumer counts as delivered and un-acked is
-            // ours, and it has delivered at least up to the newest one we
-            // hold. The second half matters after a consumer leader change:
-            // a new leader whose state lags forgets deliveries (renumbering
-            // from a lower consumer sequence), so messages that went to a
-            // lost pull are neither ack-pending nor here, but still due
-            // before ours; they come when its delivery catches up.
-            // The counts alone can mislead when the pin moved without this
-            // instance hearing of it (a restarted server forgets pins):
-            // an old holder's late acks lower the server's count below
-            // what is here. So the server must also name this pin.
-            if info.num_ack_pending <= ours
-                && info.delivered.stream_sequence >= highest
-                && pinned_here(&info, self.pin.id())
-            {
-                self.shared.lock().lanes.set_barrier(false);
-                tracing::debug!(consumer = %self.joined.consumer, pin = self.pin.id(), ack_pending = info.num_ack_pending, ours,
-                    delivered = info.delivered.stream_sequence, highest, "handover barrier down");
-            } else {
-                tracing::debug!(consumer = %self.joined.consumer, pin = self.pin.id(), ack_pending = info.num_ack_pending, ours,
-                    parked, delivered = info.delivered.stream_sequence, highest,
-                    pinned_here = pinned_here(&info, self.pin.id()), "handover barrier stays up");
+            let answer = Answer {
+                num_ack_pending: info.num_ack_pending,
+                delivered: info.delivered.stream_sequence,
+                pinned_here: pinned_here(&info, self.pin.id()),
+                departures: self.shared.lock().lanes.departures(),
+            };
+            let decision = decide(holding, answer);
+            tracing::debug!(consumer = %self.joined.consumer, pin = self.pin.id(), ?holding, ?answer, ?decision,
+                "handover barrier checked");
+            match decision {
+                Decision::Lower => self.shared.lock().lanes.set_barrier(false),
+                Decision::KeepAndHandBack => hand_back(self.shared.lock().lanes.release_held()),
+                Decision::Keep => {}
             }
             return;
         }
