@@ -456,10 +456,8 @@ impl<M: Clone> Lanes<M> {
     }
 
     /// How many messages ever left what this instance holds, delivers or
-    /// awaits. The handover barrier's count is taken before asking the
-    /// server; a departure while it asks (an ack the server applied first)
-    /// would make the server's count look like ours with a message still
-    /// out elsewhere, so a check that sees this change does not lower it.
+    /// awaits: the handover barrier does not trust a count during which
+    /// this moved (`runtime/barrier.rs`).
     pub fn departures(&self) -> u64 {
         self.departures
     }

@@ -109,21 +109,25 @@ pub fn count_http_request(
 /// `duplicate`, `error`) to `stream`.
 pub fn count_published(stream: &str, outcome: &'static str, messages: u64) {
     static SERIES: LazyLock<Series<&str, Counter>> = LazyLock::new(Series::default);
-    SERIES
-        .get(stream, outcome, || metrics::counter!(PUBLISHED, "stream" => stream.to_owned(), "outcome" => outcome))
-        .increment(messages);
+    count_by_stream(&SERIES, PUBLISHED, stream, outcome, messages);
 }
 
 /// Counts an answer's outputs of one outcome (`stored`, `duplicate`) to `stream`.
 pub fn count_outputs_published(stream: &str, outcome: &'static str, messages: u64) {
     static SERIES: LazyLock<Series<&str, Counter>> = LazyLock::new(Series::default);
-    SERIES
-        .get(
-            stream,
-            outcome,
-            || metrics::counter!(OUTPUTS_PUBLISHED, "stream" => stream.to_owned(), "outcome" => outcome),
-        )
-        .increment(messages);
+    count_by_stream(&SERIES, OUTPUTS_PUBLISHED, stream, outcome, messages);
+}
+
+/// Adds `messages` to counter `name`'s series of `stream` and `outcome`.
+fn count_by_stream(
+    series: &Series<&'static str, Counter>,
+    name: &'static str,
+    stream: &str,
+    outcome: &'static str,
+    messages: u64,
+) {
+    let register = || metrics::counter!(name, "stream" => stream.to_owned(), "outcome" => outcome);
+    series.get(stream, outcome, register).increment(messages);
 }
 
 /// Times one publish request of a kind (`single`, `batch`, `atomic`).
