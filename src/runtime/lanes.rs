@@ -175,9 +175,6 @@ pub enum Settled {
     /// NAK'd: it will be redelivered, and nothing later in its lane may
     /// pass it until then.
     Naked { attempts: u64, error: String },
-    /// The endpoint was not reached because this instance stopped serving;
-    /// it is no longer ours.
-    Abandoned,
     /// Not settled: an earlier message of its lane in the same batch was
     /// retried or dead-lettered, so it goes back to the lane and follows
     /// that one (nothing is sent to the server).
@@ -357,7 +354,7 @@ impl<M: Clone> Lanes<M> {
             let stays = match settled {
                 Settled::Naked { .. } => self.ordered,
                 Settled::Returned => true,
-                Settled::Done(_) | Settled::Abandoned => false,
+                Settled::Done(_) => false,
             };
             if !stays {
                 self.departures += 1;
@@ -381,7 +378,6 @@ impl<M: Clone> Lanes<M> {
                 };
                 lane.blocked = Some(Blocked { seq, since, attempts, last_error: error });
             }
-            Settled::Abandoned => {}
             Settled::Returned => {
                 if let Some(message) = message {
                     lane.held.insert(seq, message);
