@@ -272,3 +272,50 @@ async fn a_websocket_member_gets_several_keys_of_a_partition_at_once_and_acks_th
     }
     app.assert_no_acks_without_verdict().await;
 }
+
+/// A request of key `k` for `seq`, sent `at` ms and answered `status` at
+/// `answered` ms after `start`.
+fn recorded(start: Instant, seq: u64, at: u64, answered: u64, status: u16) -> Recorded {
+    let ms = |n: u64| start + Duration::from_millis(n);
+    Recorded {
+        at: ms(at),
+        path: "/m1".into(),
+        headers: HashMap::from([
+            ("keygate-key".to_owned(), "k".to_owned()),
+            ("keygate-stream-seq".to_owned(), seq.to_string()),
+        ]),
+        body: Vec::new(),
+        status,
+        answered: Some(ms(answered)),
+    }
+}
+
+#[test]
+#[should_panic(expected = "seq 2 was delivered before seq 1 was acknowledged")]
+fn the_key_order_check_catches_a_message_sent_before_its_predecessor_was_acked() {
+    let start = Instant::now();
+    // Seq 1 failed (503), seq 2 went before seq 1's retry was answered 2xx.
+    let requests = [recorded(start, 1, 0, 5, 503), recorded(start, 2, 10, 15, 200), recorded(start, 1, 20, 25, 200)];
+    assert_key_order(&requests, &HashMap::from([("k".to_owned(), vec![1, 2])]), &[]);
+}
+
+#[test]
+#[should_panic(expected = "seq 2 arrived while seq 1 was still being delivered")]
+fn the_key_order_check_catches_two_requests_of_a_key_at_once() {
+    let start = Instant::now();
+    let requests = [recorded(start, 1, 0, 10, 200), recorded(start, 2, 5, 15, 200)];
+    assert_key_order(&requests, &HashMap::from([("k".to_owned(), vec![1, 2])]), &[]);
+}
+
+#[test]
+fn the_key_order_check_allows_retries_redeliveries_and_skipped_messages() {
+    let start = Instant::now();
+    let requests = [
+        recorded(start, 1, 0, 5, 503),
+        recorded(start, 1, 10, 15, 200),
+        recorded(start, 3, 20, 25, 200),
+        // A redelivery of an acked message (its ack was lost) after later ones.
+        recorded(start, 1, 30, 35, 200),
+    ];
+    assert_key_order(&requests, &HashMap::from([("k".to_owned(), vec![1, 2, 3])]), &[2]);
+}
