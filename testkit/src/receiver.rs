@@ -24,6 +24,22 @@ pub struct Recorded {
 }
 
 impl Recorded {
+    /// A request to `/m1` of key `k` for `seq`, made and answered at the
+    /// given instants: what the order checks' own tests feed them.
+    pub fn of_key_k(seq: u64, at: Instant, status: u16, answered: Instant) -> Self {
+        Self {
+            at,
+            path: "/m1".into(),
+            headers: HashMap::from([
+                ("keygate-key".to_owned(), "k".to_owned()),
+                ("keygate-stream-seq".to_owned(), seq.to_string()),
+            ]),
+            body: Vec::new(),
+            status,
+            answered: Some(answered),
+        }
+    }
+
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers.get(name).map(String::as_str)
     }

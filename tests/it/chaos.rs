@@ -541,17 +541,7 @@ fn the_socket_order_check_allows_redeliveries_and_dead_letters() {
 fn the_webhook_order_check_catches_a_message_sent_before_its_predecessor_was_acked() {
     let start = Instant::now();
     let at = |ms: u64| start + Duration::from_millis(ms);
-    let request = |seq: u64, arrived: u64, answered: u64| Recorded {
-        at: at(arrived),
-        path: "/m1".into(),
-        headers: HashMap::from([
-            ("keygate-key".to_owned(), "k".to_owned()),
-            ("keygate-stream-seq".to_owned(), seq.to_string()),
-        ]),
-        body: Vec::new(),
-        status: 200,
-        answered: Some(at(answered)),
-    };
+    let request = |seq: u64, arrived: u64, answered: u64| Recorded::of_key_k(seq, at(arrived), 200, at(answered));
     let by_key = HashMap::from([("k".to_owned(), vec![1, 2])]);
     // Seq 2 arrives at 5 ms, while seq 1 is answered only at 10 ms.
     check_webhook_order(&[request(1, 0, 10), request(2, 5, 6)], &by_key, &HashSet::new());

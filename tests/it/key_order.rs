@@ -277,17 +277,7 @@ async fn a_websocket_member_gets_several_keys_of_a_partition_at_once_and_acks_th
 /// `answered` ms after `start`.
 fn recorded(start: Instant, seq: u64, at: u64, answered: u64, status: u16) -> Recorded {
     let ms = |n: u64| start + Duration::from_millis(n);
-    Recorded {
-        at: ms(at),
-        path: "/m1".into(),
-        headers: HashMap::from([
-            ("keygate-key".to_owned(), "k".to_owned()),
-            ("keygate-stream-seq".to_owned(), seq.to_string()),
-        ]),
-        body: Vec::new(),
-        status,
-        answered: Some(ms(answered)),
-    }
+    Recorded::of_key_k(seq, ms(at), status, ms(answered))
 }
 
 #[test]
