@@ -311,7 +311,8 @@ async fn main() -> anyhow::Result<()> {
         use tracing_subscriber::layer::SubscriberExt as _;
         use tracing_subscriber::util::SubscriberInitExt as _;
         use tracing_subscriber::Layer as _;
-        let logs = tracing_subscriber::fmt::layer().with_writer(std::io::sink);
+        // As the binary logs with its output not a terminal: no colour codes.
+        let logs = tracing_subscriber::fmt::layer().with_ansi(false).with_writer(std::io::sink);
         tracing_subscriber::registry().with(logs.with_filter(tracing_subscriber::EnvFilter::new("info"))).init();
     }
     let n = env_or("KEYGATE_BENCH_MESSAGES", 40_000);

@@ -158,6 +158,13 @@ fn client_answered(
 }
 
 /// One delivery: call the endpoint, apply its verdict to the message.
+///
+/// Its future lives inline in every lane worker's, and a worker is spawned
+/// (its future copied) for about every message when deliveries keep pace
+/// with arrivals. So what only some deliveries await is boxed: another
+/// kind of member's call, publishing outputs, dead-lettering. Inline, they
+/// made a webhook worker's future 9.6 KB; boxed, 2.5 KB (BENCHMARKS.md,
+/// "2026-12-07 (night)").
 pub async fn deliver(
     ctx: Arc<Runtime>,
     who: MemberRef,
@@ -200,10 +207,10 @@ pub async fn deliver(
             (judgement, outputs)
         }
         Endpoint::Socket(socket) => {
-            client_answered(&span, called, metrics, socket.call(&who, &held, fencing).await, &socket.outputs)
+            client_answered(&span, called, metrics, Box::pin(socket.call(&who, &held, fencing)).await, &socket.outputs)
         }
         Endpoint::Pull(pull) => {
-            client_answered(&span, called, metrics, pull.call(&who, &held, fencing).await, &pull.outputs)
+            client_answered(&span, called, metrics, Box::pin(pull.call(&who, &held, fencing)).await, &pull.outputs)
         }
     };
     let settled = apply(&ctx, &who, &endpoint, &held, &judgement, &outputs, metrics, &mut events).await;
@@ -233,7 +240,7 @@ async fn apply(
     let about = ctx.about(who);
     let unstored;
     let judgement = match judgement.verdict {
-        Verdict::Ack if !outputs.is_empty() => match publish_outputs(ctx, who, held, outputs).await {
+        Verdict::Ack if !outputs.is_empty() => match Box::pin(publish_outputs(ctx, who, held, outputs)).await {
             Ok(published) => {
                 events.push(Event::message_published_outputs(about, held.at(), published.stored, published.duplicates));
                 judgement
@@ -401,7 +408,7 @@ async fn terminate(
     retry_in: Duration,
     events: &mut Vec<Event>,
 ) -> Settled {
-    match dead_letter_and_term(ctx, who, held, reason).await {
+    match Box::pin(dead_letter_and_term(ctx, who, held, reason)).await {
         Ok(mut done) => {
             events.append(&mut done);
             Settled::Done(Settlement::Terminated)

@@ -346,7 +346,7 @@ async fn skip_failed_heads(shared: &LaneShared, batch: &[(LaneId, Held)], outcom
         if !matches!(settled, Settled::Naked { .. }) || !shared.lock().skip_requested.remove(lane) {
             continue;
         }
-        match dead_letter_and_term(&shared.ctx, &shared.who, held, "skipped by an operator").await {
+        match Box::pin(dead_letter_and_term(&shared.ctx, &shared.who, held, "skipped by an operator")).await {
             Ok(mut events) => {
                 outcome.events.append(&mut events);
                 *settled = Settled::Done(Settlement::Terminated);
@@ -408,7 +408,7 @@ async fn deliver_one(shared: &LaneShared, lane: &LaneId, seq: u64, held: &Held) 
     };
     let skip = matches!(outcome.settled, Settled::Naked { .. }) && shared.lock().skip_requested.remove(lane);
     if skip {
-        match dead_letter_and_term(&shared.ctx, &shared.who, held, "skipped by an operator").await {
+        match Box::pin(dead_letter_and_term(&shared.ctx, &shared.who, held, "skipped by an operator")).await {
             Ok(mut events) => {
                 outcome.events.append(&mut events);
                 outcome.settled = Settled::Done(Settlement::Terminated);
