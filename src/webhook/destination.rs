@@ -191,12 +191,21 @@ fn with_scheme(url: &str) -> Option<String> {
 /// (BENCHMARKS.md, the user's order).
 pub const POOL_MAX_IDLE_PER_HOST: usize = 1000;
 
-/// How every webhook client is built: no redirects, no proxy, bounded
-/// connects and idle connections, destinations checked on each lookup.
+/// How every webhook client is built: no redirects, no resends of its
+/// own, no proxy, bounded connects and idle connections, destinations
+/// checked on each lookup.
+///
+/// keygate alone decides when a delivery is sent again (its attempt
+/// counted, its verdict judged), so reqwest's retry layer, which resends
+/// on HTTP/2 refusals, is off. Over HTTP/1, all this client speaks, it
+/// never resent, but it copied every request (headers, extensions, body
+/// handle) in case it would, and dropped the copy after the answer
+/// (BENCHMARKS.md, "the HTTP client's own resends off").
 pub fn client_builder(policy: &Arc<DestinationPolicy>) -> reqwest::ClientBuilder {
     let _ = rustls::crypto::ring::default_provider().install_default();
     reqwest::Client::builder()
         .redirect(reqwest::redirect::Policy::none())
+        .retry(reqwest::retry::never().max_retries_per_request(0))
         .connect_timeout(Duration::from_secs(5))
         .pool_idle_timeout(Duration::from_secs(30))
         .pool_max_idle_per_host(POOL_MAX_IDLE_PER_HOST)

@@ -23,7 +23,8 @@ pub fn outbound(
     fencing: u64,
     trace: Option<&TraceContext>,
 ) -> Outbound {
-    let mut headers = Vec::new();
+    // Room for keygate's ten headers, trace context's two and a few forwarded ones.
+    let mut headers = Vec::with_capacity(16);
     let mut content_type = None;
     if let Some(original) = &held.message.headers {
         for (name, values) in original.iter() {
