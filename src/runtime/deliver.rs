@@ -193,12 +193,12 @@ pub async fn deliver(
             Vec::new(),
         ),
         Endpoint::Webhook(webhook) => {
-            let WebhookEndpoint { registration, url, signer, protection, credentials, failures } = &**webhook;
+            let WebhookEndpoint { registration, uri, signer, protection, credentials, failures } = &**webhook;
             protection.wait_turn().await;
             let trace = TraceContext::of_span(&span);
             let request = crate::webhook::request::outbound(registration, &who, &held, fencing, trace.as_ref());
             let sent = std::time::Instant::now();
-            let (judgement, outputs) = ctx.webhook_client.call(registration, url, signer, credentials, &request).await;
+            let (judgement, outputs) = ctx.webhook_client.call(registration, uri, signer, credentials, &request).await;
             span.record("endpoint_ms", sent.elapsed().as_secs_f64() * 1000.0);
             log_outcome(failures, &who, &judgement, &held, 1);
             metrics.endpoint_seconds.record(called.elapsed().as_secs_f64());
@@ -363,7 +363,7 @@ async fn call_webhook(
     span: &tracing::Span,
     events: &mut Vec<Event>,
 ) -> BatchJudgement {
-    let WebhookEndpoint { registration, url, signer, protection, credentials, failures } = webhook;
+    let WebhookEndpoint { registration, uri, signer, protection, credentials, failures } = webhook;
     if protection.open() {
         let reason = "not sent: the circuit breaker is open and the member is pausing".to_owned();
         let not_sent = Judgement { verdict: Verdict::Nak { delay: None }, gone: false, failed: false, reason };
@@ -375,7 +375,7 @@ async fn call_webhook(
     let messages: Vec<&Delivered> = batch.iter().map(|(_, held)| &**held).collect();
     let request = crate::webhook::request::batch_outbound(registration, who, &messages, fencing, trace.as_ref());
     let id_refs: Vec<&str> = ids.iter().map(String::as_str).collect();
-    let judged = ctx.webhook_client.call_batch(registration, url, signer, credentials, &request, &id_refs).await;
+    let judged = ctx.webhook_client.call_batch(registration, uri, signer, credentials, &request, &id_refs).await;
     if let (Some(first), Some((_, held))) = (judged.items.first(), batch.first()) {
         let judgement = Judgement { failed: judged.failed, ..first.clone() };
         log_outcome(failures, who, &judgement, held, batch.len());

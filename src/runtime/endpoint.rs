@@ -27,7 +27,7 @@ pub struct WebhookEndpoint {
     pub registration: Registration,
     /// The registration's URL, parsed once: parsing it for every delivery
     /// was a visible share of a delivery's CPU in a profile.
-    pub url: reqwest::Url,
+    pub uri: http::Uri,
     pub signer: Signer,
     pub protection: Protection,
     pub credentials: Credentials,
@@ -51,12 +51,16 @@ impl Endpoint {
     /// registration holds.
     pub fn webhook(registration: Registration, client: &WebhookClient) -> Result<Self, UnusableRegistration> {
         let signer = registration.signer()?;
-        let url = reqwest::Url::parse(&registration.url).map_err(|_| UnusableRegistration::Url)?;
+        // Through the URL parser first, which registering used: the URI is its
+        // normal form (host names in punycode, paths escaped).
+        let mut url = reqwest::Url::parse(&registration.url).map_err(|_| UnusableRegistration::Url)?;
+        url.set_fragment(None);
+        let uri = http::Uri::try_from(url.as_str()).map_err(|_| UnusableRegistration::Url)?;
         let protection = Protection::of(&registration);
         let credentials = client.credentials(registration.auth.as_ref());
         Ok(Self::Webhook(Box::new(WebhookEndpoint {
             registration,
-            url,
+            uri,
             signer,
             protection,
             credentials,

@@ -5,11 +5,15 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
+use http::header::{HeaderName, HeaderValue, AUTHORIZATION};
+use http::Uri;
+use http_body_util::Full;
 
 use super::credentials::{Credentials, OutboundAuth};
 use super::destination::DestinationPolicy;
 use super::registration::{Registration, MAX_RESPONSE_BODY};
 use super::signing::Signer;
+use super::transport::{Failure, Reply, Transport};
 use crate::delivery::batch_verdict::{judge_batch, BatchJudgement, MAX_BATCH_ANSWER, MAX_BATCH_OUTPUTS_ANSWER};
 use crate::delivery::outputs::{read_outputs, with_outputs, Output, MAX_OUTPUT_ANSWER};
 use crate::delivery::verdict::{judge, Judgement, Response, RetryPolicy, Verdict, MAX_RETRY_AFTER};
@@ -28,36 +32,39 @@ pub struct Outbound {
 /// destinations checked on every connection.
 #[derive(Clone)]
 pub struct WebhookClient {
-    http: reqwest::Client,
+    transport: Transport,
+    /// For token requests (OAuth 2 client credentials).
+    tokens: reqwest::Client,
     policy: Arc<DestinationPolicy>,
 }
 
 impl WebhookClient {
     /// A client bound by `policy`.
     pub fn new(policy: Arc<DestinationPolicy>) -> anyhow::Result<Self> {
-        let http = super::destination::client_builder(&policy).build()?;
-        Ok(Self { http, policy })
+        let transport = Transport::new(&policy)?;
+        let tokens = super::destination::token_client(&policy)?;
+        Ok(Self { transport, tokens, policy })
     }
 
     /// `auth`'s credentials for one instance of a registration.
     pub fn credentials(&self, auth: Option<&OutboundAuth>) -> Credentials {
-        Credentials::load(auth, &self.policy, &self.http)
+        Credentials::load(auth, &self.policy, &self.tokens)
     }
 
-    /// POSTs one message to `url` (the registration's, parsed) and judges
+    /// POSTs one message to `uri` (the registration's URL, parsed) and judges
     /// the answer, with the outputs an ack's answer asks to publish
     /// (docs/pipelines.md). Outputs refused turn the ack into a retry.
     pub async fn call(
         &self,
         registration: &Registration,
-        url: &reqwest::Url,
+        uri: &Uri,
         signer: &Signer,
         credentials: &Credentials,
         outbound: &Outbound,
     ) -> (Judgement, Vec<Output>) {
         let now = SystemTime::now();
         let max_body = if registration.outputs.is_empty() { MAX_RESPONSE_BODY } else { MAX_OUTPUT_ANSWER };
-        let answer = self.exchange(registration, url, signer, credentials, outbound, max_body, now).await;
+        let answer = self.exchange(registration, uri, signer, credentials, outbound, max_body, now).await;
         let judgement = judge(&answer.response(), now, retry_policy(registration, &mut Vec::new()));
         match &answer {
             Answer::Http { content_type, body, truncated, .. } if judgement.verdict == Verdict::Ack => {
@@ -79,7 +86,7 @@ impl WebhookClient {
     pub async fn call_batch(
         &self,
         registration: &Registration,
-        url: &reqwest::Url,
+        uri: &Uri,
         signer: &Signer,
         credentials: &Credentials,
         outbound: &Outbound,
@@ -87,7 +94,7 @@ impl WebhookClient {
     ) -> BatchJudgement {
         let now = SystemTime::now();
         let max_body = if registration.outputs.is_empty() { MAX_BATCH_ANSWER } else { MAX_BATCH_OUTPUTS_ANSWER };
-        let answer = self.exchange(registration, url, signer, credentials, outbound, max_body, now).await;
+        let answer = self.exchange(registration, uri, signer, credentials, outbound, max_body, now).await;
         judge_batch(&answer.response(), ids, now, retry_policy(registration, &mut Vec::new()))
     }
 
@@ -96,7 +103,7 @@ impl WebhookClient {
     async fn exchange(
         &self,
         registration: &Registration,
-        url: &reqwest::Url,
+        uri: &Uri,
         signer: &Signer,
         credentials: &Credentials,
         outbound: &Outbound,
@@ -105,8 +112,9 @@ impl WebhookClient {
     ) -> Answer {
         let timestamp = now.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
         let signature = signer.sign(&outbound.id, timestamp, &outbound.body, now);
-        if let Some(ip) = url.host_str().and_then(|h| h.trim_start_matches('[').trim_end_matches(']').parse().ok()) {
-            if !self.policy.host_listed(url.host_str().unwrap_or_default()) {
+        let host = uri.host().unwrap_or_default();
+        if let Ok(ip) = host.trim_start_matches('[').trim_end_matches(']').parse() {
+            if !self.policy.host_listed(host) {
                 if let Some(why) = self.policy.refuse_address(ip) {
                     return Answer::ConnectionError(why);
                 }
@@ -116,44 +124,24 @@ impl WebhookClient {
             Ok(value) => value,
             Err(why) => return Answer::ConnectionError(format!("no credentials: {why}")),
         };
-        let mut request = credentials
-            .client()
-            .unwrap_or(&self.http)
-            .post(url.clone())
-            .timeout(Duration::from_millis(registration.timeout_ms))
-            .header("webhook-id", &outbound.id)
-            .header("webhook-timestamp", timestamp.to_string())
-            .header("webhook-signature", signature);
-        for (name, value) in registration.headers.iter().chain(outbound.headers.iter().map(|(n, v)| (n, v))) {
-            request = request.header(name.as_str(), value.as_str());
-        }
-        if let Some(value) = authorization {
-            request = request.header(reqwest::header::AUTHORIZATION, value);
-        }
-        let response = match request.body(outbound.body.clone()).send().await {
-            Ok(r) => r,
-            Err(e) if e.is_timeout() => return Answer::Timeout,
-            // reqwest names the URL in its errors; its query string is often
-            // a token, and this text reaches events and dead letters.
-            Err(e) => return Answer::ConnectionError(error_chain(&e.without_url())),
+        let request = match request(uri, timestamp, signature, registration, outbound, authorization) {
+            Ok(request) => request,
+            Err(why) => return Answer::ConnectionError(why),
         };
-        let status = response.status().as_u16();
-        if status == 401 {
+        let transport = credentials.client().unwrap_or(&self.transport);
+        let limit = Duration::from_millis(registration.timeout_ms);
+        let reply = match transport.send(request, limit, max_body).await {
+            Ok(reply) => reply,
+            Err(Failure::Timeout) => return Answer::Timeout,
+            Err(Failure::Connection(why)) => return Answer::ConnectionError(why),
+        };
+        if reply.status == 401 {
             credentials.refused().await;
         }
-        let header = |name: &str| response.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+        let header = |name: &str| reply.headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
         let (retry_after, keygate_ack) = (header("retry-after"), header("keygate-ack"));
         let content_type = header("content-type");
-        // One byte past the limit tells a body that was cut.
-        let (body, truncated) = match read_capped(response, max_body + 1).await {
-            Ok(mut body) if body.len() > max_body => {
-                body.truncate(max_body);
-                (body, true)
-            }
-            Ok(body) => (body, false),
-            Err(e) if e.is_timeout() => return Answer::Timeout,
-            Err(_) => (Vec::new(), true),
-        };
+        let Reply { status, body, truncated, .. } = reply;
         Answer::Http { status, retry_after, keygate_ack, content_type, body, truncated }
     }
 }
@@ -202,25 +190,32 @@ fn retry_policy<'a>(registration: &'a Registration, with_401: &'a mut Vec<u16>) 
     RetryPolicy { max_retry_after: MAX_RETRY_AFTER, retry_statuses }
 }
 
-async fn read_capped(mut response: reqwest::Response, max_body: usize) -> Result<Vec<u8>, reqwest::Error> {
-    let mut body = Vec::new();
-    while let Some(chunk) = response.chunk().await? {
-        let room = max_body.saturating_sub(body.len());
-        body.extend_from_slice(&chunk[..chunk.len().min(room)]);
-        if body.len() >= max_body {
-            break;
-        }
+/// The POST a delivery makes: the signature headers, the registration's
+/// static headers, the delivery's own, and the credentials'. Headers were
+/// checked when registered or made safe when built; one that is still not
+/// valid fails the attempt with its name.
+fn request(
+    uri: &Uri,
+    timestamp: i64,
+    signature: String,
+    registration: &Registration,
+    outbound: &Outbound,
+    authorization: Option<String>,
+) -> Result<http::Request<Full<Bytes>>, String> {
+    let mut request =
+        http::Request::post(uri.clone()).body(Full::new(outbound.body.clone())).map_err(|e| e.to_string())?;
+    let headers = request.headers_mut();
+    let invalid = |name: &str| format!("the header {name} is not a valid HTTP header");
+    let value = |name: &str, v: &str| HeaderValue::from_str(v).map_err(|_| invalid(name));
+    headers.insert(HeaderName::from_static("webhook-id"), value("webhook-id", &outbound.id)?);
+    headers.insert(HeaderName::from_static("webhook-timestamp"), HeaderValue::from(timestamp));
+    headers.insert(HeaderName::from_static("webhook-signature"), value("webhook-signature", &signature)?);
+    for (name, v) in registration.headers.iter().chain(outbound.headers.iter().map(|(n, v)| (n, v))) {
+        let header = HeaderName::from_bytes(name.as_bytes()).map_err(|_| invalid(name))?;
+        headers.append(header, value(name, v)?);
     }
-    Ok(body)
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
+    if let Some(v) = authorization {
+        headers.insert(AUTHORIZATION, value("authorization", &v)?);
     }
-    text
+    Ok(request)
 }

@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use super::destination::DestinationPolicy;
+use super::transport::{ClientIdentity, TlsError, Transport};
 use super::{WebhookError as Error, WebhookErrorKind as Kind};
 
 /// Environment variables a registration may name start with this.
@@ -231,7 +232,7 @@ pub enum Credentials {
         cache: tokio::sync::Mutex<CachedToken>,
     },
     /// A client of its own, presenting the certificate.
-    Mtls(reqwest::Client),
+    Mtls(Transport),
     /// The credentials could not be loaded: every delivery fails with this.
     Broken(CredentialError),
 }
@@ -250,8 +251,8 @@ impl std::fmt::Debug for Credentials {
 }
 
 impl Credentials {
-    /// The credentials `auth` names; `http` is the shared webhook client
-    /// (token requests go through its destination checks).
+    /// The credentials `auth` names; `http` is the client for token
+    /// requests (with the destination checks every webhook call has).
     pub fn load(auth: Option<&OutboundAuth>, policy: &Arc<DestinationPolicy>, http: &reqwest::Client) -> Self {
         match auth {
             None => Self::None,
@@ -270,7 +271,7 @@ impl Credentials {
     }
 
     /// The client to send with, when it is not the shared one.
-    pub fn client(&self) -> Option<&reqwest::Client> {
+    pub fn client(&self) -> Option<&Transport> {
         match self {
             Self::Mtls(client) => Some(client),
             _ => None,
@@ -362,23 +363,20 @@ async fn fetch_token(spec: &OAuth2Spec, http: &reqwest::Client) -> Result<(Strin
 }
 
 /// A client presenting the certificate, with the shared client's limits.
-fn mtls_client(spec: &MtlsSpec, policy: &Arc<DestinationPolicy>) -> Result<reqwest::Client, CredentialError> {
+fn mtls_client(spec: &MtlsSpec, policy: &Arc<DestinationPolicy>) -> Result<Transport, CredentialError> {
     let read = |path: &str| -> Result<Vec<u8>, CredentialError> {
         let file = credential_file(policy, path)?;
         std::fs::read(file).map_err(|_| CredentialError::Unreadable(path.to_owned()))
     };
-    let mut pem = read(&spec.cert_file)?;
-    pem.push(b'\n');
-    pem.extend(read(&spec.key_file)?);
-    let identity =
-        reqwest::Identity::from_pem(&pem).map_err(|_| CredentialError::InvalidPem("the client certificate or key"))?;
-    let mut builder = super::destination::client_builder(policy).identity(identity);
-    if let Some(ca) = &spec.ca_file {
-        let roots = reqwest::Certificate::from_pem_bundle(&read(ca)?)
-            .map_err(|_| CredentialError::InvalidPem("the CA file"))?;
-        builder = builder.tls_certs_only(roots);
-    }
-    builder.build().map_err(|e| CredentialError::TlsClient(e.to_string()))
+    let mut cert_and_key = read(&spec.cert_file)?;
+    cert_and_key.push(b'\n');
+    cert_and_key.extend(read(&spec.key_file)?);
+    let only_roots = spec.ca_file.as_deref().map(read).transpose()?;
+    let identity = ClientIdentity { cert_and_key: &cert_and_key, only_roots: only_roots.as_deref() };
+    Transport::with_identity(policy, identity).map_err(|e| match e {
+        TlsError::InvalidPem(what) => CredentialError::InvalidPem(what),
+        other => CredentialError::TlsClient(other.to_string()),
+    })
 }
 
 #[cfg(test)]

@@ -8,6 +8,8 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::transport::PolicyResolver;
+
 /// Which destinations webhooks may reach.
 #[derive(Debug, Clone, Default)]
 pub struct DestinationPolicy {
@@ -184,60 +186,25 @@ fn with_scheme(url: &str) -> Option<String> {
     (host_like && port_follows).then(|| format!("http://{url}"))
 }
 
-/// Idle connections a webhook client keeps per host: at least as many as
-/// one registration may have in flight (`registration.rs` asserts it). A pool
-/// kept smaller closed connections as deliveries finished and opened new ones
-/// for the next, a sixth of delivery CPU under key ordering's 256 in flight
-/// (BENCHMARKS.md, the user's order).
-pub const POOL_MAX_IDLE_PER_HOST: usize = 1000;
-
-/// How every webhook client is built: no redirects, no resends of its
-/// own, no proxy, bounded connects and idle connections, destinations
-/// checked on each lookup.
+/// The reqwest client for token requests (`credentials.rs`): no
+/// redirects, no resends of its own, no proxy, a bounded connect, the
+/// destination checked on each lookup. Deliveries go over
+/// `transport.rs`.
 ///
-/// keygate alone decides when a delivery is sent again (its attempt
-/// counted, its verdict judged), so reqwest's retry layer, which resends
-/// on HTTP/2 refusals, is off. Over HTTP/1, all this client speaks, it
-/// never resent, but it copied every request (headers, extensions, body
-/// handle) in case it would, and dropped the copy after the answer
-/// (BENCHMARKS.md, "the HTTP client's own resends off").
-pub fn client_builder(policy: &Arc<DestinationPolicy>) -> reqwest::ClientBuilder {
+/// keygate alone decides when a request is sent again, so reqwest's retry
+/// layer, which resends on HTTP/2 refusals, is off. Over HTTP/1, all this
+/// client speaks, it never resent, but it copied every request in case it
+/// would.
+pub fn token_client(policy: &Arc<DestinationPolicy>) -> reqwest::Result<reqwest::Client> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     reqwest::Client::builder()
         .redirect(reqwest::redirect::Policy::none())
         .retry(reqwest::retry::never().max_retries_per_request(0))
         .connect_timeout(Duration::from_secs(5))
-        .pool_idle_timeout(Duration::from_secs(30))
-        .pool_max_idle_per_host(POOL_MAX_IDLE_PER_HOST)
         .no_proxy()
         .user_agent(concat!("keygate/", env!("CARGO_PKG_VERSION")))
         .dns_resolver(Arc::new(PolicyResolver { policy: policy.clone() }))
-}
-
-/// A resolver for the webhook client that drops addresses the policy
-/// refuses, so a name that later resolves elsewhere is not called.
-pub struct PolicyResolver {
-    pub policy: Arc<DestinationPolicy>,
-}
-
-impl reqwest::dns::Resolve for PolicyResolver {
-    fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
-        let policy = self.policy.clone();
-        Box::pin(async move {
-            let host = name.as_str().to_owned();
-            let found: Vec<SocketAddr> = tokio::net::lookup_host((host.as_str(), 0)).await?.collect();
-            let listed = policy.host_listed(&host);
-            let allowed: Vec<SocketAddr> =
-                found.into_iter().filter(|a| listed || policy.refuse_address(a.ip()).is_none()).collect();
-            if allowed.is_empty() {
-                let err: Box<dyn std::error::Error + Send + Sync> =
-                    format!("destination {host} not allowed by the webhook destination policy").into();
-                return Err(err);
-            }
-            let addrs: reqwest::dns::Addrs = Box::new(allowed.into_iter());
-            Ok(addrs)
-        })
-    }
+        .build()
 }
 
 #[cfg(test)]

@@ -2,8 +2,9 @@
 //! (`registration.rs`), its KV store (`store.rs`), the request one
 //! delivery makes (`request.rs`) and its Standard Webhooks signature
 //! (`signing.rs`), the hardened client that sends it (`client.rs`: no
-//! redirects, bounded time and bodies) with the destination policy
-//! (`destination.rs`) and outbound credentials (`credentials.rs`), the
+//! redirects, bounded time and bodies) over hyper (`transport.rs`) with
+//! the destination policy (`destination.rs`) and outbound credentials
+//! (`credentials.rs`), the
 //! rate limit and breaker (`protection.rs`), and failed requests in the
 //! log (`failure_log.rs`). Below the runtime, above
 //! `delivery/` (the message, the verdict).
@@ -17,6 +18,7 @@ pub mod registration;
 pub mod request;
 pub mod signing;
 pub mod store;
+pub mod transport;
 
 pub use crate::delivery::verdict::{Backoff, MAX_RETRY_AFTER};
 pub use client::WebhookClient;

@@ -457,7 +457,7 @@ impl RegistrationView {
 /// Most deliveries a member may have in flight: the consumer's default
 /// `max_ack_pending` (1000), past which the server sends no more anyway.
 pub const MAX_IN_FLIGHT: usize = 1000;
-const _: () = assert!(MAX_IN_FLIGHT <= super::destination::POOL_MAX_IDLE_PER_HOST);
+const _: () = assert!(MAX_IN_FLIGHT <= super::transport::POOL_MAX_IDLE_PER_HOST);
 /// Deliveries in flight under key ordering when the member sets none.
 pub const DEFAULT_KEY_IN_FLIGHT: usize = 256;
 
