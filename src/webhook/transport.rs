@@ -68,7 +68,9 @@ pub struct Reply {
 pub enum Failure {
     /// The time limit passed first.
     Timeout,
-    /// No connection, or it broke (the error chain, without the URL).
+    /// No connection, or it broke: the error chain. hyper's errors do not
+    /// name the URL, whose query string is often a token, and this text
+    /// reaches events and dead letters.
     Connection(String),
 }
 
