@@ -8,7 +8,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::transport::PolicyResolver;
+use super::transport::{PolicyResolver, KEYGATE_AGENT};
 
 /// Which destinations webhooks may reach.
 #[derive(Debug, Clone, Default)]
@@ -202,7 +202,7 @@ pub fn token_client(policy: &Arc<DestinationPolicy>) -> reqwest::Result<reqwest:
         .retry(reqwest::retry::never().max_retries_per_request(0))
         .connect_timeout(Duration::from_secs(5))
         .no_proxy()
-        .user_agent(concat!("keygate/", env!("CARGO_PKG_VERSION")))
+        .user_agent(KEYGATE_AGENT)
         .dns_resolver(Arc::new(PolicyResolver { policy: policy.clone() }))
         .build()
 }

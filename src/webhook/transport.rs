@@ -45,7 +45,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long an idle connection is kept.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
-const KEYGATE_AGENT: &str = concat!("keygate/", env!("CARGO_PKG_VERSION"));
+/// The `user-agent` webhook calls and token requests carry.
+pub const KEYGATE_AGENT: &str = concat!("keygate/", env!("CARGO_PKG_VERSION"));
 
 /// A pooled HTTP/1 client for webhook calls.
 #[derive(Clone)]
