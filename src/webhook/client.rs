@@ -42,7 +42,7 @@ impl WebhookClient {
     /// A client bound by `policy`.
     pub fn new(policy: Arc<DestinationPolicy>) -> anyhow::Result<Self> {
         let transport = Transport::new(&policy)?;
-        let tokens = super::destination::token_client(&policy)?;
+        let tokens = super::credentials::token_client(&policy)?;
         Ok(Self { transport, tokens, policy })
     }
 

@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use super::destination::DestinationPolicy;
-use super::transport::{ClientIdentity, TlsError, Transport};
+use super::transport::{ClientIdentity, PolicyResolver, TlsError, Transport, KEYGATE_AGENT};
 use super::{WebhookError as Error, WebhookErrorKind as Kind};
 
 /// Environment variables a registration may name start with this.
@@ -360,6 +360,27 @@ async fn fetch_token(spec: &OAuth2Spec, http: &reqwest::Client) -> Result<(Strin
     let answer: TokenAnswer = serde_json::from_slice(&body).map_err(|_| CredentialError::NoAccessToken)?;
     // Without expires_in (it is optional), refresh every five minutes.
     Ok((answer.access_token, Duration::from_secs(answer.expires_in.unwrap_or(300))))
+}
+
+/// The reqwest client for token requests: no
+/// redirects, no resends of its own, no proxy, a bounded connect, the
+/// destination checked on each lookup. Deliveries go over
+/// `transport.rs`.
+///
+/// keygate alone decides when a request is sent again, so reqwest's retry
+/// layer, which resends on HTTP/2 refusals, is off. Over HTTP/1, all this
+/// client speaks, it never resent, but it copied every request in case it
+/// would.
+pub fn token_client(policy: &Arc<DestinationPolicy>) -> reqwest::Result<reqwest::Client> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .retry(reqwest::retry::never().max_retries_per_request(0))
+        .connect_timeout(Duration::from_secs(5))
+        .no_proxy()
+        .user_agent(KEYGATE_AGENT)
+        .dns_resolver(Arc::new(PolicyResolver { policy: policy.clone() }))
+        .build()
 }
 
 /// A client presenting the certificate, with the shared client's limits.

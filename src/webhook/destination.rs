@@ -5,10 +5,6 @@
 //! change after registration).
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::sync::Arc;
-use std::time::Duration;
-
-use super::transport::{PolicyResolver, KEYGATE_AGENT};
 
 /// Which destinations webhooks may reach.
 #[derive(Debug, Clone, Default)]
@@ -184,27 +180,6 @@ fn with_scheme(url: &str) -> Option<String> {
     let port_follows = rest.split('/').next().is_some_and(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
     let host_like = !host.is_empty() && host.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-');
     (host_like && port_follows).then(|| format!("http://{url}"))
-}
-
-/// The reqwest client for token requests (`credentials.rs`): no
-/// redirects, no resends of its own, no proxy, a bounded connect, the
-/// destination checked on each lookup. Deliveries go over
-/// `transport.rs`.
-///
-/// keygate alone decides when a request is sent again, so reqwest's retry
-/// layer, which resends on HTTP/2 refusals, is off. Over HTTP/1, all this
-/// client speaks, it never resent, but it copied every request in case it
-/// would.
-pub fn token_client(policy: &Arc<DestinationPolicy>) -> reqwest::Result<reqwest::Client> {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    reqwest::Client::builder()
-        .redirect(reqwest::redirect::Policy::none())
-        .retry(reqwest::retry::never().max_retries_per_request(0))
-        .connect_timeout(Duration::from_secs(5))
-        .no_proxy()
-        .user_agent(KEYGATE_AGENT)
-        .dns_resolver(Arc::new(PolicyResolver { policy: policy.clone() }))
-        .build()
 }
 
 #[cfg(test)]
