@@ -39,7 +39,7 @@ use super::destination::DestinationPolicy;
 /// (BENCHMARKS.md, the user's order).
 pub const POOL_MAX_IDLE_PER_HOST: usize = 1000;
 
-/// How long a new connection may take.
+/// How long a new connection may take, TLS handshake included.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How long an idle connection is kept.
@@ -51,7 +51,7 @@ pub const KEYGATE_AGENT: &str = concat!("keygate/", env!("CARGO_PKG_VERSION"));
 /// A pooled HTTP/1 client for webhook calls.
 #[derive(Clone)]
 pub struct Transport {
-    client: Client<HttpsConnector<HttpConnector<PolicyResolver>>, Full<Bytes>>,
+    client: Client<Bounded<HttpsConnector<HttpConnector<PolicyResolver>>>, Full<Bytes>>,
 }
 
 /// What the receiver answered: its status, headers and body (up to the
@@ -98,20 +98,19 @@ pub struct ClientIdentity<'a> {
 impl Transport {
     /// A client that trusts the system's roots and presents no certificate.
     pub fn new(policy: &Arc<DestinationPolicy>) -> Result<Self, TlsError> {
-        Self::with_tls(policy, tls_config(None)?)
+        Ok(Self::with_tls(policy, tls_config(None)?, CONNECT_TIMEOUT))
     }
 
     /// A client presenting `identity`'s certificate.
     pub fn with_identity(policy: &Arc<DestinationPolicy>, identity: ClientIdentity<'_>) -> Result<Self, TlsError> {
-        Self::with_tls(policy, tls_config(Some(identity))?)
+        Ok(Self::with_tls(policy, tls_config(Some(identity))?, CONNECT_TIMEOUT))
     }
 
-    fn with_tls(policy: &Arc<DestinationPolicy>, tls: ClientConfig) -> Result<Self, TlsError> {
+    fn with_tls(policy: &Arc<DestinationPolicy>, tls: ClientConfig, connect_limit: Duration) -> Self {
         let mut http = HttpConnector::new_with_resolver(PolicyResolver { policy: policy.clone() });
         http.enforce_http(false);
         http.set_nodelay(true);
-        http.set_connect_timeout(Some(CONNECT_TIMEOUT));
-        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+        let https = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config(tls)
             .https_or_http()
             .enable_http1()
@@ -120,8 +119,8 @@ impl Transport {
             .pool_idle_timeout(POOL_IDLE_TIMEOUT)
             .pool_max_idle_per_host(POOL_MAX_IDLE_PER_HOST)
             .pool_timer(TokioTimer::new())
-            .build(connector);
-        Ok(Self { client })
+            .build(Bounded { inner: https, limit: connect_limit });
+        Self { client }
     }
 
     /// Sends `request` and reads the answer's body up to `max_body` bytes
@@ -176,6 +175,44 @@ impl Transport {
     }
 }
 
+/// A connector whose connections (lookup, TCP connect and TLS handshake)
+/// must be made within `limit`: hyper's own connect limit stops at TCP,
+/// and a receiver that accepts but never finishes the handshake would
+/// hold a delivery for its whole time limit. The box is per connection,
+/// not per request (hyper wants an `Unpin` future).
+#[derive(Clone)]
+struct Bounded<C> {
+    inner: C,
+    limit: Duration,
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+impl<C> tower::Service<http::Uri> for Bounded<C>
+where
+    C: tower::Service<http::Uri> + Send + 'static,
+    C::Future: Send + 'static,
+    C::Error: Into<BoxError>,
+{
+    type Response = C::Response;
+    type Error = BoxError;
+    type Future = BoxFuture<'static, Result<C::Response, BoxError>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, uri: http::Uri) -> Self::Future {
+        let (connecting, limit) = (self.inner.call(uri), self.limit);
+        Box::pin(async move {
+            match tokio::time::timeout(limit, connecting).await {
+                Ok(connected) => connected.map_err(Into::into),
+                Err(_) => Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out").into()),
+            }
+        })
+    }
+}
+
 /// TLS as reqwest set it up for keygate before: the system's verifier (or
 /// only the given CAs), and a client certificate when one is given.
 fn tls_config(identity: Option<ClientIdentity<'_>>) -> Result<ClientConfig, TlsError> {
@@ -227,7 +264,7 @@ pub struct PolicyResolver {
 impl PolicyResolver {
     /// The addresses `host` resolves to that the policy allows; an error
     /// when there are none.
-    pub async fn allowed(&self, host: &str) -> Result<Vec<SocketAddr>, Box<dyn std::error::Error + Send + Sync>> {
+    pub async fn allowed(&self, host: &str) -> Result<Vec<SocketAddr>, BoxError> {
         let found: Vec<SocketAddr> = tokio::net::lookup_host((host, 0)).await?.collect();
         let listed = self.policy.host_listed(host);
         let allowed: Vec<SocketAddr> =
@@ -241,7 +278,7 @@ impl PolicyResolver {
 
 impl tower::Service<Name> for PolicyResolver {
     type Response = std::vec::IntoIter<SocketAddr>;
-    type Error = Box<dyn std::error::Error + Send + Sync>;
+    type Error = BoxError;
     type Future = BoxFuture<'static, Result<Self::Response, Self::Error>>;
 
     fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
@@ -356,6 +393,26 @@ mod tests {
         own.headers_mut().insert(USER_AGENT, HeaderValue::from_static("billing-hooks/2"));
         let own = transport().send(own, Duration::from_secs(5), 100).await.unwrap();
         assert_eq!(String::from_utf8(own.body).unwrap(), "billing-hooks/2|*/*");
+    }
+
+    #[tokio::test]
+    async fn a_tls_handshake_that_never_finishes_is_a_timeout_at_the_connect_limit() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        // Accepts, then says nothing: the client's hello is never answered.
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                held.push(socket);
+            }
+        });
+        let policy = Arc::new(DestinationPolicy::default());
+        let transport = Transport::with_tls(&policy, tls_config(None).unwrap(), Duration::from_millis(300));
+        let uri: Uri = format!("https://localhost:{port}/hook").parse().unwrap();
+        let started = std::time::Instant::now();
+        let answer = transport.send(post_to(&uri), Duration::from_secs(30), 100).await;
+        assert!(matches!(answer, Err(Failure::Timeout)), "{answer:?}");
+        assert!(started.elapsed() < Duration::from_secs(10), "ended by the connect limit, not the request's");
     }
 
     #[test]
