@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use super::destination::DestinationPolicy;
-use super::transport::{ClientIdentity, PolicyResolver, TlsError, Transport, KEYGATE_AGENT};
+use super::transport::{ClientIdentity, PolicyResolver, TlsError, Transport, CONNECT_TIMEOUT, KEYGATE_AGENT};
 use super::{WebhookError as Error, WebhookErrorKind as Kind};
 
 /// Environment variables a registration may name start with this.
@@ -376,7 +376,7 @@ pub fn token_client(policy: &Arc<DestinationPolicy>) -> reqwest::Result<reqwest:
     reqwest::Client::builder()
         .redirect(reqwest::redirect::Policy::none())
         .retry(reqwest::retry::never().max_retries_per_request(0))
-        .connect_timeout(Duration::from_secs(5))
+        .connect_timeout(CONNECT_TIMEOUT)
         .no_proxy()
         .user_agent(KEYGATE_AGENT)
         .dns_resolver(Arc::new(PolicyResolver { policy: policy.clone() }))

@@ -40,7 +40,7 @@ use super::destination::DestinationPolicy;
 pub const POOL_MAX_IDLE_PER_HOST: usize = 1000;
 
 /// How long a new connection may take, TLS handshake included.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How long an idle connection is kept.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
