@@ -308,12 +308,15 @@ fn ms(seconds: f64) -> String {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     if std::env::var("KEYGATE_BENCH_LOGS").map_or(true, |v| v != "0") {
-        use tracing_subscriber::layer::SubscriberExt as _;
-        use tracing_subscriber::util::SubscriberInitExt as _;
-        use tracing_subscriber::Layer as _;
         // As the binary logs with its output not a terminal: no colour codes.
-        let logs = tracing_subscriber::fmt::layer().with_ansi(false).with_writer(std::io::sink);
-        tracing_subscriber::registry().with(logs.with_filter(tracing_subscriber::EnvFilter::new("info"))).init();
+        let filter = tracing_subscriber::EnvFilter::new("info");
+        keygate::telemetry::install_subscriber(
+            keygate::telemetry::LogFormat::Pretty,
+            false,
+            std::io::sink,
+            filter,
+            None,
+        );
     }
     let n = env_or("KEYGATE_BENCH_MESSAGES", 40_000);
     let rounds = env_or("KEYGATE_BENCH_ROUNDS", 3).max(1);

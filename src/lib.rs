@@ -17,6 +17,8 @@ pub mod dead_letters;
 mod delivery;
 pub mod error;
 mod events;
+#[cfg(test)]
+mod future_size;
 mod groups;
 pub mod http;
 pub mod names;

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use keygate::cli::serve::{LogFormat, ServeArgs};
+use keygate::cli::serve::ServeArgs;
+use keygate::telemetry::LogFormat;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
@@ -83,27 +84,14 @@ enum Command {
 
 /// Logs to standard output, filtered by `KEYGATE_LOG`; spans also go to
 /// OTLP when the `OTEL_*` variables ask for it (the provider returned, to
-/// be flushed at exit). Exported spans have their own filter, so a quiet
-/// log level does not silence traces.
+/// be flushed at exit).
 fn init_logs(format: LogFormat) -> anyhow::Result<Option<opentelemetry_sdk::trace::SdkTracerProvider>> {
-    use opentelemetry::trace::TracerProvider as _;
-    use tracing_subscriber::layer::SubscriberExt as _;
-    use tracing_subscriber::util::SubscriberInitExt as _;
-    use tracing_subscriber::Layer as _;
     let filter = tracing_subscriber::EnvFilter::try_from_env("KEYGATE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     // Colour codes only for a terminal: redirected logs stay plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stdout());
-    let logs = match format {
-        LogFormat::Json => tracing_subscriber::fmt::layer().json().boxed(),
-        LogFormat::Pretty => tracing_subscriber::fmt::layer().with_ansi(ansi).boxed(),
-    };
     let provider = keygate::telemetry::otlp_provider()?;
-    let spans = provider.as_ref().map(|provider| {
-        let keygate_spans = tracing_subscriber::filter::Targets::new().with_target("keygate", tracing::Level::INFO);
-        tracing_opentelemetry::layer().with_tracer(provider.tracer("keygate")).with_filter(keygate_spans)
-    });
-    tracing_subscriber::registry().with(logs.with_filter(filter)).with(spans).init();
+    keygate::telemetry::install_subscriber(format, ansi, std::io::stdout, filter, provider.as_ref());
     Ok(provider)
 }
 

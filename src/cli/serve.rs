@@ -5,17 +5,9 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::ValueEnum;
-
 use crate::nats::connect::NatsAuth;
 use crate::settings::{NatsTarget, Settings};
-
-/// How log lines are written.
-#[derive(Clone, Copy, ValueEnum)]
-pub enum LogFormat {
-    Pretty,
-    Json,
-}
+use crate::telemetry::LogFormat;
 
 #[derive(clap::Args)]
 pub struct ServeArgs {

@@ -158,7 +158,8 @@ async fn answer(
             Kind::Internal,
             format!("message stored in stream {} instead of {}", ack.stream, shape.name),
         )),
-        Ok(ack) if ack.duplicate => Ok(stored_ack(js, shape, ack.sequence, &prepared).await),
+        // Boxed, as rare: its reads would otherwise size every publish's future.
+        Ok(ack) if ack.duplicate => Ok(Box::pin(stored_ack(js, shape, ack.sequence, &prepared)).await),
         Ok(ack) => Ok(PublishAck {
             stream: ack.stream,
             seq: ack.sequence,

@@ -35,16 +35,37 @@ pub(super) async fn acknowledged(
     ack: jetstream::context::PublishAckFuture,
     resend_until: &std::sync::Mutex<Option<Instant>>,
 ) -> Result<jetstream::publish::PublishAck, jetstream::context::PublishError> {
+    match ack.await {
+        Err(e) if safe_to_resend(prepared, &e) => {
+            // Boxed: the resends' futures would otherwise size every
+            // publish's future, which is allocated and moved per request.
+            Box::pin(resend(js, prepared, e, resend_until)).await
+        }
+        outcome => outcome,
+    }
+}
+
+fn safe_to_resend(prepared: &Prepared, e: &jetstream::context::PublishError) -> bool {
     use jetstream::context::PublishErrorKind as K;
-    let safe_to_resend = |e: &jetstream::context::PublishError| match e.kind() {
+    match e.kind() {
         K::StreamNotFound => true,
         K::TimedOut | K::BrokenPipe => prepared.idempotent,
         _ => false,
-    };
-    let mut outcome = ack.await;
+    }
+}
+
+/// Publishes `prepared` again after `first`, with backoff, while that is
+/// safe and the request's resend time lasts.
+async fn resend(
+    js: &jetstream::Context,
+    prepared: &Prepared,
+    first: jetstream::context::PublishError,
+    resend_until: &std::sync::Mutex<Option<Instant>>,
+) -> Result<jetstream::publish::PublishAck, jetstream::context::PublishError> {
+    let mut outcome = Err(first);
     for delay in RESEND_BACKOFF {
         match &outcome {
-            Err(e) if safe_to_resend(e) => {
+            Err(e) if safe_to_resend(prepared, e) => {
                 let until = *resend_until
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
@@ -129,5 +150,21 @@ pub(super) fn publish_error(e: jetstream::context::PublishError) -> Error {
             }
             _ => unavailable_or_internal("publishing", e).into(),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::future_size;
+
+    /// A single publish's future is allocated and moved per request; the
+    /// resends and the duplicate's lookup are boxed apart, so that future
+    /// is smaller than either.
+    #[test]
+    fn a_publishs_future_leaves_resends_and_duplicate_lookups_out() {
+        let publish = future_size::of_refs_value(super::super::publish_one);
+        let resend = future_size::of_refs_value_ref(super::resend);
+        let stored = future_size::of_refs_value_ref(super::stored_ack);
+        assert!(publish < resend && publish < stored, "publish {publish} bytes, resend {resend}, stored_ack {stored}");
     }
 }

@@ -457,8 +457,11 @@ impl Streams {
 
     /// One stream.
     pub async fn get(&self, name: &StreamName) -> Result<StreamView, Error> {
-        let info =
-            self.info(name).await?.ok_or_else(|| Error::new(Kind::NotFound, format!("stream {name} not found")))?;
+        // Boxed: a lookup every SHAPE_TTL would otherwise size the future
+        // of every publish.
+        let info = Box::pin(self.info(name))
+            .await?
+            .ok_or_else(|| Error::new(Kind::NotFound, format!("stream {name} not found")))?;
         Ok(view(&info))
     }
 
@@ -496,8 +499,11 @@ impl Streams {
                 return Ok(shape.clone());
             }
         }
-        let info =
-            self.info(name).await?.ok_or_else(|| Error::new(Kind::NotFound, format!("stream {name} not found")))?;
+        // Boxed: a lookup every SHAPE_TTL would otherwise size the future
+        // of every publish.
+        let info = Box::pin(self.info(name))
+            .await?
+            .ok_or_else(|| Error::new(Kind::NotFound, format!("stream {name} not found")))?;
         let mut cache = self.shapes.lock().expect("shape cache");
         let fresh = Arc::new(StreamShape::from_config(&info.config));
         // Keep the round-robin position of a shape that did not change.

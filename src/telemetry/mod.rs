@@ -141,6 +141,61 @@ pub fn export_requested(env: impl Fn(&str) -> Option<String>) -> bool {
         .any(|name| env(name).is_some_and(|v| !v.trim().is_empty()))
 }
 
+/// How log lines are written (`--log-format`).
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum LogFormat {
+    Pretty,
+    Json,
+}
+
+/// Installs the process's subscriber: log lines in `format` to `writer`,
+/// filtered by `filter`, and, with a `provider`, keygate's spans to its OTLP
+/// exporter under their own filter, so a quiet log level does not silence
+/// traces.
+///
+/// Without export the filter is the whole subscriber's, not the log
+/// layer's: a filter of one layer (tracing-subscriber's per-layer
+/// filtering) looks the span up again on every entry, exit and close, which
+/// every request pays (BENCHMARKS.md, "2026-12-08: the per-request duties
+/// of a single publish").
+pub fn install_subscriber<W>(
+    format: LogFormat,
+    ansi: bool,
+    writer: W,
+    filter: tracing_subscriber::EnvFilter,
+    provider: Option<&SdkTracerProvider>,
+) where
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
+    use opentelemetry::trace::TracerProvider as _;
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+    use tracing_subscriber::Layer as _;
+    let registry = tracing_subscriber::registry();
+    match provider {
+        None => registry.with(filter).with(log_layer(format, ansi, writer)).init(),
+        Some(provider) => {
+            let keygate_spans = tracing_subscriber::filter::Targets::new().with_target("keygate", tracing::Level::INFO);
+            let spans =
+                tracing_opentelemetry::layer().with_tracer(provider.tracer("keygate")).with_filter(keygate_spans);
+            registry.with(log_layer(format, ansi, writer).with_filter(filter)).with(spans).init();
+        }
+    }
+}
+
+/// The layer writing log lines, for a subscriber `S`.
+fn log_layer<S, W>(format: LogFormat, ansi: bool, writer: W) -> Box<dyn tracing_subscriber::Layer<S> + Send + Sync>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
+    use tracing_subscriber::Layer as _;
+    match format {
+        LogFormat::Json => tracing_subscriber::fmt::layer().json().with_writer(writer).boxed(),
+        LogFormat::Pretty => tracing_subscriber::fmt::layer().with_ansi(ansi).with_writer(writer).boxed(),
+    }
+}
+
 /// Set once the OTLP provider exists: spans made only for export are made.
 static EXPORTING_SPANS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
