@@ -156,7 +156,7 @@ pub enum LogFormat {
 /// Without export the filter is the whole subscriber's, not the log
 /// layer's: a filter of one layer (tracing-subscriber's per-layer
 /// filtering) looks the span up again on every entry, exit and close, which
-/// every request pays (BENCHMARKS.md, "2026-12-08: the per-request duties
+/// every request pays (BENCHMARKS.md, "2026-12-07 (stop 53): the per-request duties
 /// of a single publish").
 pub fn install_subscriber<W>(
     format: LogFormat,
