@@ -457,11 +457,8 @@ impl Streams {
 
     /// One stream.
     pub async fn get(&self, name: &StreamName) -> Result<StreamView, Error> {
-        // Boxed: a lookup every SHAPE_TTL would otherwise size the future
-        // of every publish.
-        let info = Box::pin(self.info(name))
-            .await?
-            .ok_or_else(|| Error::new(Kind::NotFound, format!("stream {name} not found")))?;
+        let info =
+            self.info(name).await?.ok_or_else(|| Error::new(Kind::NotFound, format!("stream {name} not found")))?;
         Ok(view(&info))
     }
 
