@@ -193,6 +193,9 @@ pub enum Reply {
     Conflict { description: String },
     /// 400: the request itself is wrong (no or unknown priority group).
     BadRequest { description: String },
+    /// 503: nothing at the server serves the consumer: it has no leader
+    /// yet, or it is gone without a "consumer deleted" reaching this pull.
+    NoResponders,
     /// 100 idle heartbeat, or anything else to ignore.
     Ignore,
 }
@@ -207,6 +210,7 @@ pub fn classify(status: Option<StatusCode>, description: Option<&str>, headers: 
         Some(409) if description.to_ascii_lowercase().contains("consumer deleted") => Reply::ConsumerDeleted,
         Some(409) => Reply::Conflict { description },
         Some(400) => Reply::BadRequest { description },
+        Some(503) => Reply::NoResponders,
         _ => Reply::Ignore,
     }
 }
@@ -345,5 +349,6 @@ mod tests {
             Reply::BadRequest { .. }
         ));
         assert_eq!(classify(Some(StatusCode::from_u16(100).unwrap()), Some("Idle Heartbeat"), None), Reply::Ignore);
+        assert_eq!(classify(Some(StatusCode::NO_RESPONDERS), None, None), Reply::NoResponders);
     }
 }

@@ -5,6 +5,7 @@
 //! --no-capture` (`scripts/test` does, after the other tests).
 
 use std::collections::HashMap;
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -120,6 +121,22 @@ async fn server_view(cluster: &NatsCluster) -> String {
     lines.join("\n")
 }
 
+/// The last lines above debug of each keygate's log: a failed run in CI,
+/// whose logs stay on its machine, explains itself with them.
+fn keygate_log_tails(logs: &Path) -> String {
+    let mut out = String::new();
+    for id in ["keygate-a", "keygate-b"] {
+        let log = std::fs::read_to_string(logs.join(format!("{id}.log"))).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().filter(|l| !l.contains(" DEBUG ")).collect();
+        out.push_str(&format!("{id}, last {} of {} lines above debug:\n", lines.len().min(30), lines.len()));
+        for line in &lines[lines.len().saturating_sub(30)..] {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
 /// How long after `since` every receiver path saw a 2xx-answered delivery.
 async fn resumed(
     receiver: &Receiver,
@@ -127,6 +144,7 @@ async fn resumed(
     since: Instant,
     cluster: &NatsCluster,
     unexpected: &Mutex<Vec<String>>,
+    logs: &Path,
 ) -> Duration {
     loop {
         let requests = receiver.requests();
@@ -138,17 +156,20 @@ async fn resumed(
             return firsts.into_iter().flatten().max().unwrap().duration_since(since);
         }
         if since.elapsed() > RESUME_LIMIT {
-            let last: Vec<String> = paths
+            let stalled: Vec<String> = paths
                 .iter()
-                .map(|p| {
+                .zip(&firsts)
+                .filter(|(_, first)| first.is_none())
+                .map(|(p, _)| {
                     let last = requests.iter().filter(|r| r.path.starts_with(p)).map(|r| r.at).max();
                     format!("{p}: last delivery {:?} before the kill", last.map(|l| since.saturating_duration_since(l)))
                 })
                 .collect();
             panic!(
-                "deliveries did not resume within {RESUME_LIMIT:?}: {last:?}\n{}\npublishes: {:?}",
+                "deliveries did not resume within {RESUME_LIMIT:?}: {stalled:?}\n{}\npublishes: {:?}\n{}",
                 server_view(cluster).await,
-                unexpected.lock().unwrap()
+                unexpected.lock().unwrap(),
+                keygate_log_tails(logs)
             );
         }
         // The receiver's log is copied on each look: look seldom, so the
@@ -163,7 +184,7 @@ async fn groups_keep_being_served_while_leader_nodes_are_killed_and_restarted() 
     let mut cluster = NatsCluster::start().await;
     let http = http_client();
     // Their logs are kept for a failed run to explain itself.
-    let logs = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("cluster-logs");
+    let logs = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cluster-logs");
     std::fs::create_dir_all(&logs).unwrap();
     let replicas = ["keygate-a", "keygate-b"].map(|id| {
         let log = std::fs::File::create(logs.join(format!("{id}.log"))).unwrap();
@@ -211,7 +232,7 @@ async fn groups_keep_being_served_while_leader_nodes_are_killed_and_restarted() 
     cluster.kill(node);
     println!("killed {leader}, the ORDERS leader, at {:?}", std::time::SystemTime::now());
     let after_stream_leader =
-        resumed(&receiver, &["/st/", "/el/"], killed + Duration::from_millis(500), &cluster, &unexpected).await;
+        resumed(&receiver, &["/st/", "/el/"], killed + Duration::from_millis(500), &cluster, &unexpected, &logs).await;
     println!("deliveries resumed {after_stream_leader:?} after the kill");
     tokio::time::sleep(Duration::from_secs(2)).await;
     cluster.restart(node);
@@ -238,7 +259,7 @@ async fn groups_keep_being_served_while_leader_nodes_are_killed_and_restarted() 
     }
     println!("dropping e2 during the outage answered {edit_status}");
     let after_bucket_leader =
-        resumed(&receiver, &["/st/", "/el/"], killed + Duration::from_millis(500), &cluster, &unexpected).await;
+        resumed(&receiver, &["/st/", "/el/"], killed + Duration::from_millis(500), &cluster, &unexpected, &logs).await;
     println!("deliveries resumed {after_bucket_leader:?} after the kill");
     tokio::time::sleep(Duration::from_secs(2)).await;
     cluster.restart(node);

@@ -215,3 +215,44 @@ async fn instances_pull_again_as_soon_as_keygate_reconnects_to_a_restarted_serve
     println!("delivered {:.2} s after the server restarted", took.as_secs_f64());
     assert!(took < Duration::from_secs(4), "the instance waited for its forgotten pull to end: {took:?}");
 }
+
+/// A member's consumer can go while no pull of keygate's waits on it, so
+/// no "consumer deleted" reaches keygate: an elastic member's consumer is
+/// deleted by the server after ack wait without pulls, as happens when its
+/// leader's node dies and the new leader hears from nobody in time (the
+/// cluster test saw both of a group's consumers go that way). The pulls
+/// that follow meet no responders; keygate looks the consumer up, finds it
+/// gone and joins again, which creates it again. Here the deletion's
+/// notice is held back at a proxy and lost with the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_members_consumer_deleted_unheard_is_created_again() {
+    use crate::support::proxy::CuttableProxy;
+    let server = NatsServer::start();
+    let proxy = CuttableProxy::start(format!("127.0.0.1:{}", server.port)).await;
+    let app = TestApp::start_through(server, proxy.url()).await;
+    let receiver = Receiver::start(|_, _| Answer::ok()).await;
+    app.create_stream("EV", json!({"subjects":["ev.*"]})).await;
+    let group = json!({"kind":"elastic","partitions":2,"members":["e1"],"ack_wait_ms":2000});
+    assert_eq!(app.put("/v1/streams/EV/groups/g", group).await.0, 201);
+    let hook = json!({"url": receiver.url("/e1")});
+    assert_eq!(app.put("/v1/streams/EV/groups/g/members/e1/webhook", hook).await.0, 201);
+    assert_eq!(app.post("/v1/streams/EV/messages", json!({"key":"k","data":1})).await.0, 200);
+    eventually(Duration::from_secs(15), || async { receiver.requests().iter().any(Recorded::ok).then_some(()) }).await;
+
+    proxy.hold_server_bytes();
+    app.js.get_stream("EV-g").await.unwrap().delete_consumer("e1").await.unwrap();
+    proxy.cut();
+    let deleted = Instant::now();
+    eventually(Duration::from_secs(10), || async {
+        let (status, _) = app.post("/v1/streams/EV/messages", json!({"key":"k","data":2})).await;
+        (status == 200).then_some(())
+    })
+    .await;
+    eventually(Duration::from_secs(20), || async {
+        (receiver.requests().iter().filter(|r| r.ok()).count() >= 2).then_some(())
+    })
+    .await;
+    println!("delivered again {:.2} s after the consumer was deleted", deleted.elapsed().as_secs_f64());
+    let consumer = app.js.get_stream("EV-g").await.unwrap().consumer_info("e1").await;
+    assert!(consumer.is_ok(), "the member's consumer was created again: {consumer:?}");
+}

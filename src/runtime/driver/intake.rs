@@ -10,13 +10,19 @@ use super::plan::{subscriber_pull_expiry, PullSizing};
 use super::{Dispatch, Driver, Ended};
 use crate::delivery::message::{Delivered, Partitioning};
 use crate::groups::Ordering;
+use crate::nats::errors::is_not_found;
 use crate::runtime::deliver::{remove, Because};
 use crate::runtime::join::{pull_expiry, standby_pull_expiry};
 use crate::runtime::lanes::{LaneId, LaneKey, Offered};
 use crate::runtime::pull::{classify, grid_expiry, PullRequest, Reply};
 
-/// How long a run waits before pulling again after a 409.
+/// How long a run waits before pulling again after a 409 or a 503.
 const CONFLICT_PAUSE: Duration = Duration::from_millis(250);
+/// Pulls that meet no responders have the consumer looked up at most this
+/// often, each lookup waiting at most `LOOKUP_LIMIT`: during a leader
+/// election every pull meets none, and the loop must go on meanwhile.
+const LOOKUP_EVERY: Duration = Duration::from_secs(1);
+const LOOKUP_LIMIT: Duration = Duration::from_secs(2);
 
 impl Driver {
     /// Keeps pulls open as the dispatch policy sizes them (`plan.rs`).
@@ -41,6 +47,26 @@ impl Driver {
                 return false;
             }
         }
+    }
+
+    /// Whether the server says the consumer does not exist. A consumer can
+    /// go without its "consumer deleted" reaching any pull of this run: an
+    /// elastic member's is deleted after ack wait without pulls, which a
+    /// leader election or a lost connection can cause, and the notice is
+    /// lost with the connection. Its pulls then meet no responders for
+    /// ever; a leader election also brings them, so only the server's
+    /// "not found" counts, and no answer in time does not.
+    async fn consumer_is_gone(&mut self) -> bool {
+        if self.consumer_looked_up.is_some_and(|at| at.elapsed() < LOOKUP_EVERY) {
+            return false;
+        }
+        self.consumer_looked_up = Some(Instant::now());
+        let js = &self.ctx().broker.js;
+        let lookup = async {
+            let stream = js.get_stream_no_info(&self.joined.stream_name).await.ok()?;
+            Some(stream.consumer_info(&self.joined.consumer).await)
+        };
+        matches!(tokio::time::timeout(LOOKUP_LIMIT, lookup).await, Ok(Some(Err(e))) if is_not_found(&e))
     }
 
     fn pull_sizing(&self) -> PullSizing {
@@ -112,6 +138,14 @@ impl Driver {
             Reply::BadRequest { description } => {
                 tracing::warn!(%description, consumer = %self.joined.consumer, "the server refused the pull");
                 return Some(Ended::ConsumerGone);
+            }
+            Reply::NoResponders => {
+                self.pulls.finish(&subject);
+                self.hold_pulls_until = Some(Instant::now() + CONFLICT_PAUSE);
+                if Box::pin(self.consumer_is_gone()).await {
+                    tracing::info!(consumer = %self.joined.consumer, "the consumer is gone; joining again");
+                    return Some(Ended::ConsumerGone);
+                }
             }
             Reply::Ignore => {}
         }

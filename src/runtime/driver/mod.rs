@@ -176,6 +176,8 @@ pub struct Driver {
     next_seek: Instant,
     /// When `check_pin` last ran.
     pin_checked: Instant,
+    /// When a pull that met no responders last had the consumer looked up.
+    consumer_looked_up: Option<Instant>,
     /// Members only: whether what this run holds may still be settled
     /// (delivery/custody.rs). A subscriber keeps no order, so a late ack of
     /// a copy given to another instance costs it nothing.
@@ -253,6 +255,7 @@ impl Driver {
             seek_every: PIN_CHECK,
             next_seek: Instant::now(),
             pin_checked: Instant::now(),
+            consumer_looked_up: None,
             custody,
             keeping_alive: Arc::default(),
         })
