@@ -23,10 +23,9 @@
 //! clients, distinct-key batches or one-key batches, for a profiler;
 //! `bare-single|bare-batch|bare-one-key` the same through the bare handler,
 //! so two profiles (or CPU times) of one path can be set side by side.
-//! keygate runs with the log subscriber its binary installs (text at
-//! `info`, a per-layer filter) writing to nowhere, as a user runs it: the
-//! spans it records cost every request. `KEYGATE_BENCH_LOGS=0` runs
-//! without one.
+//! keygate runs with the log subscriber its binary installs, writing to
+//! nowhere (`support::Rig`): the spans it records cost every request.
+//! `KEYGATE_BENCH_LOGS=0` runs without one.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -307,17 +306,6 @@ fn ms(seconds: f64) -> String {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    if std::env::var("KEYGATE_BENCH_LOGS").map_or(true, |v| v != "0") {
-        // As the binary logs with its output not a terminal: no colour codes.
-        let filter = tracing_subscriber::EnvFilter::new("info");
-        keygate::telemetry::install_subscriber(
-            keygate::telemetry::LogFormat::Pretty,
-            false,
-            std::io::sink,
-            filter,
-            None,
-        );
-    }
     let n = env_or("KEYGATE_BENCH_MESSAGES", 40_000);
     let rounds = env_or("KEYGATE_BENCH_ROUNDS", 3).max(1);
     let rig = support::Rig::start().await?;

@@ -24,6 +24,7 @@ pub struct Rig {
 impl Rig {
     /// Starts everything and waits until keygate is ready.
     pub async fn start() -> anyhow::Result<Self> {
+        install_log_subscriber();
         // reqwest needs a TLS provider chosen before a client is built.
         let _ = rustls::crypto::ring::default_provider().install_default();
         let http = reqwest::Client::builder().pool_max_idle_per_host(256).build()?;
@@ -52,6 +53,28 @@ impl Rig {
         self.server_stop.cancel();
         self.server.stopped().await;
     }
+}
+
+/// keygate in-process logs as its binary does, at `info` and with no
+/// colour codes (its output is no terminal), to nowhere: what that level
+/// records costs every request, as it does a user's keygate (a benchmark's
+/// keygate process logs likewise: `KeygateProcess::for_bench`). Once per
+/// process; `KEYGATE_BENCH_LOGS=0` leaves it out.
+fn install_log_subscriber() {
+    static INSTALLED: std::sync::Once = std::sync::Once::new();
+    INSTALLED.call_once(|| {
+        if std::env::var("KEYGATE_BENCH_LOGS").is_ok_and(|v| v == "0") {
+            return;
+        }
+        let filter = tracing_subscriber::EnvFilter::new("info");
+        keygate::telemetry::install_subscriber(
+            keygate::telemetry::LogFormat::Pretty,
+            false,
+            std::io::sink,
+            filter,
+            None,
+        );
+    });
 }
 
 /// The raw baseline's consumer: durable, explicit acks, and with
