@@ -176,7 +176,8 @@ pub fn parse_binary(headers: &HeaderMap, body: Vec<u8>) -> Result<Event, Invalid
 
 /// Whether a request is a binary-mode event.
 pub fn is_binary(headers: &HeaderMap) -> bool {
-    headers.contains_key("ce-specversion")
+    const SPECVERSION: axum::http::HeaderName = axum::http::HeaderName::from_static("ce-specversion");
+    headers.contains_key(SPECVERSION)
 }
 
 /// Whether a request is a structured-mode event.

@@ -54,7 +54,8 @@ fn record(stream: &StreamName, results: &[Result<PublishAck, Error>], kind: &'st
 }
 
 fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
-    match headers.get("idempotency-key") {
+    const IDEMPOTENCY_KEY: axum::http::HeaderName = axum::http::HeaderName::from_static("idempotency-key");
+    match headers.get(IDEMPOTENCY_KEY) {
         None => Ok(None),
         Some(v) => v
             .to_str()

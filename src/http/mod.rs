@@ -290,10 +290,15 @@ fn metrics_route() -> Router<AppState> {
 /// Every log line of a request's work carries its id (`x-request-id`, taken
 /// from the client when given, else generated, and echoed in the answer).
 fn request_span(request: &axum::http::Request<axum::body::Body>) -> tracing::Span {
-    let id = request.headers().get("x-request-id").and_then(|v| v.to_str().ok()).unwrap_or("-");
+    const REQUEST_ID: axum::http::HeaderName = axum::http::HeaderName::from_static("x-request-id");
+    let id = request.headers().get(REQUEST_ID).and_then(|v| v.to_str().ok()).unwrap_or("-");
     let span = tracing::info_span!("request", id, method = %request.method(), uri = %request.uri().path());
-    if let Some(caller) = crate::telemetry::TraceContext::from_http(request.headers()) {
-        caller.parent_of(&span);
+    // A parent matters to exported spans only; without export it is not
+    // looked for (every request would pay for the lookup).
+    if crate::telemetry::exporting_spans() {
+        if let Some(caller) = crate::telemetry::TraceContext::from_http(request.headers()) {
+            caller.parent_of(&span);
+        }
     }
     span
 }

@@ -381,8 +381,9 @@ impl StreamShape {
 /// another partition count elsewhere is noticed within this time.
 const SHAPE_TTL: Duration = Duration::from_secs(2);
 
-/// Stream name → (when read, shape).
-type ShapeCache = HashMap<String, (Instant, Arc<StreamShape>)>;
+/// Stream name → (when read, shape). foldhash: every publish looks its
+/// stream up here, and only streams that exist are kept.
+type ShapeCache = HashMap<String, (Instant, Arc<StreamShape>), foldhash::fast::RandomState>;
 
 /// Streams over one JetStream context.
 #[derive(Clone)]

@@ -162,8 +162,12 @@ fn method_label(method: &axum::http::Method) -> &'static str {
 /// with keygate's logs on"). Every label of a series must come from a
 /// bounded set.
 struct Series<T, H> {
-    handles: RwLock<HashMap<Box<str>, HashMap<T, H>>>,
+    handles: RwLock<FastMap<Box<str>, FastMap<T, H>>>,
 }
+
+/// foldhash rather than SipHash: every request looks up several series, and
+/// labels come from bounded sets keygate controls.
+type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
 impl<T, H> Default for Series<T, H> {
     fn default() -> Self {

@@ -9,6 +9,7 @@
 //! both in the publisher's trace.
 
 pub mod metrics;
+mod plain_fields;
 
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
 use opentelemetry::trace::TraceContextExt;
@@ -45,7 +46,14 @@ impl TraceContext {
 
     /// From HTTP request headers.
     pub fn from_http(headers: &axum::http::HeaderMap) -> Option<Self> {
-        Self::from_lookup(|name| headers.get(name).and_then(|v| v.to_str().ok()))
+        // Looked up by `HeaderName`: a `&str` name is parsed on every lookup,
+        // and every request is looked at.
+        const PARENT: axum::http::HeaderName = axum::http::HeaderName::from_static(TRACEPARENT);
+        const STATE: axum::http::HeaderName = axum::http::HeaderName::from_static(TRACESTATE);
+        Self::from_lookup(|name| {
+            let name = if name == TRACEPARENT { PARENT } else { STATE };
+            headers.get(&name).and_then(|v| v.to_str().ok())
+        })
     }
 
     /// From a stored message's headers.
@@ -192,7 +200,11 @@ where
     use tracing_subscriber::Layer as _;
     match format {
         LogFormat::Json => tracing_subscriber::fmt::layer().json().with_writer(writer).boxed(),
-        LogFormat::Pretty => tracing_subscriber::fmt::layer().with_ansi(ansi).with_writer(writer).boxed(),
+        LogFormat::Pretty => tracing_subscriber::fmt::layer()
+            .fmt_fields(plain_fields::PlainFields)
+            .with_ansi(ansi)
+            .with_writer(writer)
+            .boxed(),
     }
 }
 
