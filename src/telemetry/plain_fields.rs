@@ -4,7 +4,7 @@
 //! The default field formatter paints every field name and `=` with a style,
 //! empty when colours are off, and each painting is a formatting call of its
 //! own. Every request's span has its fields formatted when it is made, so
-//! that was a third of the span's cost (BENCHMARKS.md, "2026-12-08 (stop 55):
+//! that was a third of the span's cost (BENCHMARKS.md, "2026-12-07 (stop 55):
 //! instructions per single publish"). Here a plain field is written
 //! directly; messages, errors and `r#` names, which the default formatter
 //! escapes or expands, and all fields when colours are on, still go through
