@@ -41,6 +41,9 @@ struct PlainVisitor<'writer> {
 impl PlainVisitor<'_> {
     /// Lets the default formatter write one field, after what is written.
     fn by_default(&mut self, record: impl FnOnce(&mut DefaultVisitor<'_>)) {
+        if self.result.is_err() {
+            return;
+        }
         let mut default = DefaultVisitor::new(self.writer.by_ref(), self.is_empty);
         record(&mut default);
         self.result = default.finish();
