@@ -32,8 +32,7 @@ const ALLOWED_HEADERS: [&str; 14] = [
 ];
 
 /// Answer headers a page may read.
-const EXPOSED_HEADERS: [HeaderName; 3] =
-    [HeaderName::from_static("x-request-id"), header::RETRY_AFTER, header::WWW_AUTHENTICATE];
+const EXPOSED_HEADERS: [HeaderName; 3] = [super::REQUEST_ID, header::RETRY_AFTER, header::WWW_AUTHENTICATE];
 
 /// A `--cors-allowed-origins` entry that is not an origin.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

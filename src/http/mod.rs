@@ -287,10 +287,12 @@ fn metrics_route() -> Router<AppState> {
         .route("/metrics", axum::routing::get(move || std::future::ready(crate::telemetry::metrics::render(&handle))))
 }
 
+/// The header a request's id travels in, both ways.
+pub(crate) const REQUEST_ID: axum::http::HeaderName = axum::http::HeaderName::from_static("x-request-id");
+
 /// Every log line of a request's work carries its id (`x-request-id`, taken
 /// from the client when given, else generated, and echoed in the answer).
 fn request_span(request: &axum::http::Request<axum::body::Body>) -> tracing::Span {
-    const REQUEST_ID: axum::http::HeaderName = axum::http::HeaderName::from_static("x-request-id");
     let id = request.headers().get(REQUEST_ID).and_then(|v| v.to_str().ok()).unwrap_or("-");
     let span = tracing::info_span!("request", id, method = %request.method(), uri = %request.uri().path());
     // A parent matters to exported spans only; without export it is not
