@@ -14,7 +14,10 @@
 //! keep-alives went out late (a starved process), and when its consumer
 //! elected a new leader, which works from replicated state that may lag
 //! (nats/consumer_leaders.rs). Custody holds while none of these happened
-//! since the message arrived. Without it a verdict that
+//! since the message arrived. A keep-alive sent after a silence that long
+//! does not bring custody back: the server may have given the message
+//! elsewhere during the silence, and that copy's holder would have its
+//! copy settled by this one's ack. Without it a verdict that
 //! would settle the message NAKs it instead: a duplicate delivery with the
 //! same `webhook-id`, never a reorder.
 
@@ -79,9 +82,24 @@ pub struct Custody {
 
 impl Custody {
     /// A keep-alive for the message, begun at `sent`, went out: the
-    /// server's ack wait for it runs from no earlier than that.
+    /// server's ack wait for it runs from no earlier than that, unless the
+    /// silence before it was already too long (custody lapses for good).
     pub fn kept_alive(&self, sent: Instant) {
-        self.last_word_ms.fetch_max(self.clock.since_origin(sent), Ordering::Relaxed);
+        let (sent, longest) = (self.clock.since_origin(sent), longest_silence(self.clock.ack_wait));
+        let _ = self
+            .last_word_ms
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |last| Some(after_keep_alive(last, sent, longest)));
+    }
+
+    /// The server gave this instance the message again while it was
+    /// delivering it: pinned here, the server's ack wait for its copy
+    /// starts over now. Custody already lapsed stays lapsed: a copy may
+    /// have gone elsewhere in between.
+    pub fn redelivered_here(&self, at: Instant) {
+        let at = self.clock.since_origin(at);
+        let _ = self.last_word_ms.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |last| {
+            Some(if last == LAPSED { LAPSED } else { last.max(at) })
+        });
     }
 
     /// Whether the message may be settled now.
@@ -92,18 +110,42 @@ impl Custody {
             reconnected: *clock.connections.borrow() != self.connection,
             leader_elected: clock.elections.load(Ordering::Acquire) != self.elections,
         };
-        let last_word = clock.origin + Duration::from_millis(self.last_word_ms.load(Ordering::Relaxed));
+        let last_word = match self.last_word_ms.load(Ordering::Relaxed) {
+            LAPSED => None,
+            ms => Some(clock.origin + Duration::from_millis(ms)),
+        };
         let held = unbroken(&since, last_word, clock.ack_wait, Instant::now());
         if !held {
             tracing::debug!(
                 up = since.connection_up,
                 reconnected = since.reconnected,
                 leader_elected = since.leader_elected,
-                silent_ms = last_word.elapsed().as_millis(),
+                silent_ms = last_word.map(|w| w.elapsed().as_millis()),
                 "custody of a message lapsed"
             );
         }
         held
+    }
+}
+
+/// `last_word_ms` of a custody that lapsed for good.
+const LAPSED: u64 = u64::MAX;
+
+/// The longest silence custody survives: a quarter of the ack wait is left
+/// for the settlement to reach the server and for the server's own clock.
+fn longest_silence(ack_wait: Duration) -> Duration {
+    ack_wait - ack_wait / 4
+}
+
+/// The last word (ms after the clock's origin) once a keep-alive begun at
+/// `sent` went out: the later of the two, or [`LAPSED`] when the silence
+/// before it reached `longest` (the server may have redelivered meanwhile).
+fn after_keep_alive(last: u64, sent: u64, longest: Duration) -> u64 {
+    let longest = u64::try_from(longest.as_millis()).unwrap_or(u64::MAX);
+    match last {
+        LAPSED => LAPSED,
+        last if sent.saturating_sub(last) >= longest => LAPSED,
+        last => last.max(sent),
     }
 }
 
@@ -121,20 +163,19 @@ struct SinceArrival {
 }
 
 /// Custody holds on the connection the message arrived on, while it is
-/// up, under the consumer leader it arrived under, and well within the ack
-/// wait of the last word sent for it (its arrival or a keep-alive): a
-/// quarter of the ack wait is left for the settlement to reach the server
-/// and for the server's own clock.
-fn unbroken(since: &SinceArrival, last_word: Instant, ack_wait: Duration, now: Instant) -> bool {
+/// up, under the consumer leader it arrived under, and within the longest
+/// silence of the last word sent for it (its arrival or a keep-alive), if
+/// no silence before was longer (`None`).
+fn unbroken(since: &SinceArrival, last_word: Option<Instant>, ack_wait: Duration, now: Instant) -> bool {
     since.connection_up
         && !since.reconnected
         && !since.leader_elected
-        && now.saturating_duration_since(last_word) < ack_wait - ack_wait / 4
+        && last_word.is_some_and(|word| now.saturating_duration_since(word) < longest_silence(ack_wait))
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{unbroken, SinceArrival};
+    use super::{after_keep_alive, longest_silence, unbroken, SinceArrival, LAPSED};
     use std::time::{Duration, Instant};
 
     const ACK_WAIT: Duration = Duration::from_secs(2);
@@ -146,27 +187,48 @@ mod tests {
     #[test]
     fn custody_holds_on_the_same_connection_while_keep_alives_are_on_time() {
         let word = Instant::now();
-        assert!(unbroken(&on(3, 3, true), word, ACK_WAIT, word + Duration::from_millis(1400)));
+        assert!(unbroken(&on(3, 3, true), Some(word), ACK_WAIT, word + Duration::from_millis(1400)));
     }
 
     #[test]
     fn a_reconnect_or_a_connection_down_breaks_custody() {
         let word = Instant::now();
-        assert!(!unbroken(&on(3, 4, true), word, ACK_WAIT, word), "reconnected since it arrived");
-        assert!(!unbroken(&on(3, 3, false), word, ACK_WAIT, word), "the connection is down now");
+        assert!(!unbroken(&on(3, 4, true), Some(word), ACK_WAIT, word), "reconnected since it arrived");
+        assert!(!unbroken(&on(3, 3, false), Some(word), ACK_WAIT, word), "the connection is down now");
     }
 
     #[test]
     fn a_consumer_leader_elected_since_it_arrived_breaks_custody() {
         let word = Instant::now();
         let elected = SinceArrival { connection_up: true, reconnected: false, leader_elected: true };
-        assert!(!unbroken(&elected, word, ACK_WAIT, word), "the new leader may have given it elsewhere");
+        assert!(!unbroken(&elected, Some(word), ACK_WAIT, word), "the new leader may have given it elsewhere");
     }
 
     #[test]
     fn keep_alives_late_by_most_of_the_ack_wait_break_custody() {
         let word = Instant::now();
-        assert!(!unbroken(&on(1, 1, true), word, ACK_WAIT, word + Duration::from_millis(1500)));
-        assert!(!unbroken(&on(1, 1, true), word, ACK_WAIT, word + Duration::from_secs(60)));
+        assert!(!unbroken(&on(1, 1, true), Some(word), ACK_WAIT, word + Duration::from_millis(1500)));
+        assert!(!unbroken(&on(1, 1, true), Some(word), ACK_WAIT, word + Duration::from_secs(60)));
+    }
+
+    #[test]
+    fn keep_alives_on_time_carry_custody_on() {
+        let longest = longest_silence(ACK_WAIT);
+        assert_eq!(after_keep_alive(1000, 2400, longest), 2400);
+        assert_eq!(after_keep_alive(2400, 3800, longest), 3800);
+        // A round that began before the last word it follows moves nothing back.
+        assert_eq!(after_keep_alive(3800, 3700, longest), 3800);
+    }
+
+    #[test]
+    fn a_keep_alive_after_too_long_a_silence_does_not_restore_custody() {
+        // Starved for 1.6 s of a 2 s ack wait: the server may have given the
+        // message to the next pin holder meanwhile, and an ack from here
+        // would settle that holder's copy.
+        let longest = longest_silence(ACK_WAIT);
+        assert_eq!(after_keep_alive(1000, 2600, longest), LAPSED);
+        assert_eq!(after_keep_alive(LAPSED, 2700, longest), LAPSED, "lapsed for good");
+        let word = Instant::now();
+        assert!(!unbroken(&on(1, 1, true), None, ACK_WAIT, word));
     }
 }

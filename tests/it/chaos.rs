@@ -9,8 +9,9 @@
 //! (the two together once let a handover barrier fall too early:
 //! src/delivery/custody.rs). Checked on what the receivers and LEDGER
 //! saw: nothing acknowledged to the publisher is lost, no key is
-//! reordered by the first stage or the WebSocket member, LEDGER holds each
-//! order exactly once in each key's order, every dead letter carries its
+//! reordered by either stage or the WebSocket member, PAYMENTS and LEDGER
+//! hold each order exactly once in each key's order (a failure prints what
+//! both stages and keygate's events did with the key), every dead letter carries its
 //! reason, and no ack went without a verdict; duplicate deliveries are
 //! counted and reported. A shorter run restarts only nats-server, three
 //! times, under one member's backlog served by two replicas.
@@ -80,6 +81,7 @@ async fn nothing_is_lost_or_reordered_while_keygate_and_nats_are_killed() {
         assert_eq!(put(format!("/v1/streams/{stream}/groups/{group}"), body).await.unwrap().status(), 201);
     }
     let receiver = Receiver::start(pipeline_stages::answer(Duration::from_millis(20), (17, 13))).await;
+    let events = pipeline_stages::EventLog::record(&server.url()).await;
     for (stream, group, output) in [("ORDERS", "enrich", "PAYMENTS"), ("PAYMENTS", "charge", "LEDGER")] {
         for member in ["m1", "m2"] {
             let hook = pipeline_stages::registration(receiver.url(&format!("/{group}/{member}")), output);
@@ -105,7 +107,7 @@ async fn nothing_is_lost_or_reordered_while_keygate_and_nats_are_killed() {
     let js = async_nats::jetstream::new(nats);
     let all: HashSet<u64> = published.iter().map(|(_, s)| *s).collect();
     let deadline = Instant::now() + DRAIN_LIMIT;
-    let (requests, dead) = loop {
+    let dead = loop {
         let dead = dead_letters(&server.url()).await;
         let requests = receiver.requests();
         let enriched: HashSet<u64> =
@@ -117,7 +119,7 @@ async fn nothing_is_lost_or_reordered_while_keygate_and_nats_are_killed() {
             all.iter().filter(|s| !socketed.contains(s) && !dead.contains_key(&("socket", **s))).count();
         let ledger = js.get_stream("LEDGER").await.unwrap().info().await.unwrap().state.messages;
         if enrich_missing == 0 && socket_missing == 0 && ledger >= messages {
-            break (requests, dead);
+            break dead;
         }
         if Instant::now() >= deadline {
             for group in ["ORDERS/groups/enrich", "PAYMENTS/groups/charge"] {
@@ -126,16 +128,28 @@ async fn nothing_is_lost_or_reordered_while_keygate_and_nats_are_killed() {
                     println!("{group}: {}", view.await.unwrap_or_default());
                 }
             }
+            events.keep_in_log_dir();
+            // What happened to the first order still missing from the first stage.
+            let stuck = published.iter().find(|(_, s)| !enriched.contains(s) && !dead.contains_key(&("enrich", *s)));
+            let history = stuck.map(|(key, seq)| {
+                format!(
+                    "key {key} (seq {seq} not acked):\n{}",
+                    pipeline_stages::key_history(key, &requests, &events, &[])
+                )
+            });
             panic!(
                 "lost after {DRAIN_LIMIT:?}: {enrich_missing} never acked by the first stage, {socket_missing} \
-                 never delivered to the WebSocket member, LEDGER holds {ledger} of {messages}"
+                 never delivered to the WebSocket member, LEDGER holds {ledger} of {messages}\n{}",
+                history.unwrap_or_default()
             );
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     };
     let drained = published_at.elapsed();
-    // Late duplicates would land now.
+    // Late duplicates would land now. The second stage's last answers may
+    // have reached keygate before the receiver recorded them as sent.
     tokio::time::sleep(Duration::from_secs(2)).await;
+    let requests = receiver.requests();
     for p in &processes {
         acks_without_verdict += p.acks_without_verdict(&http).await;
     }
@@ -154,14 +168,38 @@ async fn nothing_is_lost_or_reordered_while_keygate_and_nats_are_killed() {
     }
     let skipped = |group: &str| -> HashSet<u64> { dead.keys().filter(|(g, _)| *g == group).map(|(_, s)| *s).collect() };
     let (enrich_skipped, socket_skipped) = (skipped("enrich"), skipped("socket"));
-    let enrich_requests: Vec<Recorded> = requests.iter().filter(|r| r.path.starts_with("/enrich")).cloned().collect();
-    check_webhook_order(&enrich_requests, &by_key, &enrich_skipped);
+    let stage =
+        |prefix: &str| -> Vec<Recorded> { requests.iter().filter(|r| r.path.starts_with(prefix)).cloned().collect() };
+    let enrich_requests = stage("/enrich");
+    events.keep_in_log_dir();
+    let pipeline_history = |key: &str| {
+        format!(
+            "what both stages and keygate's events show:\n{}",
+            pipeline_stages::key_history(key, &requests, &events, &[])
+        )
+    };
+    check_webhook_order(&enrich_requests, &by_key, &enrich_skipped, &pipeline_history);
     check_socket_order(&arrivals, &by_key, &socket_skipped);
     for ((group, seq), reason) in &dead {
         assert!(!reason.is_empty(), "dead letter of {group} seq {seq} without a reason");
     }
-    // The pipeline's end: each order once in LEDGER, in its key's order.
-    let ledger = pipeline_stages::check_ledger(&js, &by_key).await;
+    // The stages' outputs: each order once in PAYMENTS and in LEDGER, in its
+    // key's order; on a failure, what both stages did with the key.
+    let (ledger, payments) = match pipeline_stages::check_stage_outputs(&js, &by_key).await {
+        Ok(checked) => checked,
+        Err(misordered) => {
+            let outputs = [
+                ("PAYMENTS", pipeline_stages::stream_by_key(&js, "PAYMENTS").await),
+                ("LEDGER", pipeline_stages::stream_by_key(&js, "LEDGER").await),
+            ];
+            let history = pipeline_stages::key_history(&misordered.key, &requests, &events, &outputs);
+            panic!("{misordered}; the key's history:\n{history}");
+        }
+    };
+    // The second stage delivered each key's payments in PAYMENTS' order.
+    let payments_by_key: HashMap<String, Vec<u64>> =
+        payments.into_iter().map(|(key, entries)| (key, entries.into_iter().map(|(seq, _)| seq).collect())).collect();
+    check_webhook_order(&stage("/charge"), &payments_by_key, &skipped("charge"), &pipeline_history);
 
     let mut reasons: BTreeMap<&str, usize> = BTreeMap::new();
     for reason in dead.values() {
@@ -396,7 +434,7 @@ async fn keys_stay_in_order_when_nats_server_restarts_under_a_members_backlog() 
         tokio::time::sleep(Duration::from_millis(500)).await;
     };
     let skipped: HashSet<u64> = dead.keys().map(|(_, s)| *s).collect();
-    check_webhook_order(&requests, &by_key, &skipped);
+    check_webhook_order(&requests, &by_key, &skipped, &|_| String::new());
     let mut acks_without_verdict = 0.0;
     for p in &processes {
         acks_without_verdict += p.acks_without_verdict(&http).await;
@@ -434,7 +472,13 @@ async fn dead_letters(nats_url: &str) -> HashMap<(&'static str, u64), String> {
 
 /// Per-key order (docs/guarantees.md) over many requests: when a message arrives, every
 /// earlier message of its key (not dead-lettered) was already answered 2xx.
-fn check_webhook_order(requests: &[Recorded], by_key: &HashMap<String, Vec<u64>>, skipped: &HashSet<u64>) {
+/// `more` adds to a failure's message what else is known about the key.
+fn check_webhook_order(
+    requests: &[Recorded],
+    by_key: &HashMap<String, Vec<u64>>,
+    skipped: &HashSet<u64>,
+    more: &dyn Fn(&str) -> String,
+) {
     let mut first_ok: HashMap<u64, Instant> = HashMap::new();
     for r in requests.iter().filter(|r| r.ok()) {
         let answered = r.answered.expect("an answered request");
@@ -461,9 +505,10 @@ fn check_webhook_order(requests: &[Recorded], by_key: &HashMap<String, Vec<u64>>
                 assert!(
                     *before <= r.at,
                     "key {key}: seq {} was delivered before an earlier message of its key was acknowledged; \
-                     the key's requests:\n{}",
+                     the key's requests:\n{}\n{}",
                     r.seq(),
-                    key_history(key_requests)
+                    key_history(key_requests),
+                    more(key)
                 );
             }
         }
@@ -544,5 +589,5 @@ fn the_webhook_order_check_catches_a_message_sent_before_its_predecessor_was_ack
     let request = |seq: u64, arrived: u64, answered: u64| Recorded::of_key_k(seq, at(arrived), 200, at(answered));
     let by_key = HashMap::from([("k".to_owned(), vec![1, 2])]);
     // Seq 2 arrives at 5 ms, while seq 1 is answered only at 10 ms.
-    check_webhook_order(&[request(1, 0, 10), request(2, 5, 6)], &by_key, &HashSet::new());
+    check_webhook_order(&[request(1, 0, 10), request(2, 5, 6)], &by_key, &HashSet::new(), &|_| String::new());
 }

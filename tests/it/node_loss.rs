@@ -363,7 +363,14 @@ async fn one_run(run: usize) {
     for seqs in by_key.values_mut() {
         seqs.sort_unstable();
     }
-    let in_ledger = pipeline_stages::check_ledger(&js, &by_key).await;
+    let in_ledger = match pipeline_stages::check_stage_outputs(&js, &by_key).await {
+        Ok((in_ledger, _)) => in_ledger,
+        Err(misordered) => {
+            let all = receiver.requests();
+            let history = pipeline_stages::key_history(&misordered.key, &all, &Default::default(), &[]);
+            panic!("run {run}: {misordered}; the key's history:\n{history}")
+        }
+    };
     for r in &replicas {
         breaches += r.acks_without_verdict(&http).await;
         gaps += r.metric(&http, "keygate_delivery_gaps_total").await;
@@ -657,4 +664,46 @@ async fn the_server_numbers_redeliveries_as_new_deliveries() {
     let info = redelivered.info().unwrap();
     numbers.push((info.stream_sequence, info.consumer_sequence, info.delivered));
     assert_eq!(numbers, vec![(1, 1, 1), (2, 2, 1), (3, 3, 1), (1, 4, 2)], "(stream seq, consumer seq, delivered)");
+}
+
+/// What custody rests on (src/delivery/custody.rs): the server settles by
+/// stream sequence, whichever delivery an ack answers. A holder whose copy
+/// outlived the ack wait, and was redelivered, settles the redelivered copy
+/// with its late ack; the new holder, which still counts that copy, would
+/// then count one message too many (docs/architecture.md, "Why lanes, the
+/// handover barrier and fencing tokens").
+#[tokio::test]
+async fn a_late_ack_of_an_outlived_copy_settles_its_redelivered_copy() {
+    use async_nats::jetstream::consumer::pull;
+    use futures::StreamExt;
+    let server = crate::support::NatsServer::start();
+    let js = async_nats::jetstream::new(async_nats::connect(server.url()).await.unwrap());
+    let stream = js
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: "LATE".into(),
+            subjects: vec!["late.*".into()],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    js.publish("late.k", "x".into()).await.unwrap().await.unwrap();
+    let config =
+        pull::Config { durable_name: Some("c".into()), ack_wait: Duration::from_secs(1), ..Default::default() };
+    let mut consumer = stream.create_consumer(config).await.unwrap();
+    let next = |consumer: &async_nats::jetstream::consumer::PullConsumer| {
+        let consumer = consumer.clone();
+        async move {
+            let mut batch = consumer.batch().max_messages(1).expires(Duration::from_secs(3)).messages().await.unwrap();
+            batch.next().await.unwrap().unwrap()
+        }
+    };
+    let outlived = next(&consumer).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let redelivered = next(&consumer).await;
+    assert_eq!(redelivered.info().unwrap().delivered, 2, "redelivered after the ack wait");
+    assert_eq!(consumer.info().await.unwrap().num_ack_pending, 1);
+    outlived.double_ack().await.unwrap();
+    let info = consumer.info().await.unwrap();
+    assert_eq!(info.num_ack_pending, 0, "the outlived copy's ack settled the redelivered one");
+    assert_eq!(info.ack_floor.stream_sequence, 1);
 }

@@ -3,8 +3,10 @@
 //! → LEDGER, and the check of LEDGER at its end.
 
 use std::collections::{HashMap, HashSet};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
+use futures::StreamExt;
 use serde_json::{json, Value};
 
 use crate::support::receiver::{Answer, Recorded};
@@ -54,22 +56,175 @@ pub fn answer(delay: Duration, fail_every: (u64, u64)) -> impl Fn(&Recorded, usi
     }
 }
 
-/// LEDGER holds each order exactly once, and each key's entries in the
-/// order of its orders (`by_key`, sorted); returns how many it holds.
-pub async fn check_ledger(js: &async_nats::jetstream::Context, by_key: &HashMap<String, Vec<u64>>) -> usize {
-    let mut stream = js.get_stream(LEDGER).await.unwrap();
+/// Each key's messages in a pipeline stream, in stream order: (stream
+/// sequence, the order each names).
+pub type Entries = HashMap<String, Vec<(u64, u64)>>;
+
+pub async fn stream_by_key(js: &async_nats::jetstream::Context, stream: &str) -> Entries {
+    let mut stream = js.get_stream(stream).await.unwrap();
     let last = stream.info().await.unwrap().state.last_sequence;
-    let mut ledger_by_key: HashMap<String, Vec<u64>> = HashMap::new();
-    let mut seen: HashSet<u64> = HashSet::new();
+    let mut by_key = Entries::new();
     for seq in 1..=last {
         let Ok(message) = stream.get_raw_message(seq).await else { continue };
         let key = message.subject.rsplit('.').next().unwrap_or_default().to_owned();
         let order = serde_json::from_slice::<Value>(&message.payload).unwrap()["order"].as_u64().unwrap();
-        assert!(seen.insert(order), "order {order} stored twice in LEDGER");
-        ledger_by_key.entry(key).or_default().push(order);
+        by_key.entry(key).or_default().push((seq, order));
     }
-    for (key, orders) in by_key {
-        assert_eq!(ledger_by_key.get(key), Some(orders), "key {key}: LEDGER entries against its orders");
+    by_key
+}
+
+/// A stage's output stream whose entries of `key` do not follow its orders.
+#[derive(Debug)]
+pub struct Misordered {
+    pub stream: &'static str,
+    pub key: String,
+    /// (stream sequence, order) of the key's entries, in stream order.
+    pub found: Vec<(u64, u64)>,
+    pub expected: Vec<u64>,
+}
+
+impl std::fmt::Display for Misordered {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let found: Vec<String> = self.found.iter().map(|(seq, order)| format!("{order}@{seq}")).collect();
+        write!(
+            f,
+            "key {}: {} entries (order@stream sequence) {} against its orders {:?}",
+            self.key,
+            self.stream,
+            found.join(" "),
+            self.expected
+        )
     }
-    seen.len()
+}
+
+/// PAYMENTS (the first stage's outputs), then LEDGER (the second's), each
+/// hold each order exactly once, and each key's entries in the order of its
+/// orders (`by_key`, sorted); returns how many LEDGER holds, and PAYMENTS'
+/// entries by key (what the second stage was to deliver in order).
+pub async fn check_stage_outputs(
+    js: &async_nats::jetstream::Context,
+    by_key: &HashMap<String, Vec<u64>>,
+) -> Result<(usize, Entries), Misordered> {
+    let mut held = 0;
+    let mut payments = HashMap::new();
+    for stream in [PAYMENTS, LEDGER] {
+        let entries = stream_by_key(js, stream).await;
+        let mut seen: HashSet<u64> = HashSet::new();
+        for (order, seq) in entries.values().flatten().map(|(seq, order)| (order, seq)) {
+            assert!(seen.insert(*order), "order {order} stored twice in {stream} (the second at {seq})");
+        }
+        for (key, orders) in by_key {
+            let found = entries.get(key).cloned().unwrap_or_default();
+            if !found.iter().map(|(_, order)| order).eq(orders.iter()) {
+                return Err(Misordered { stream, key: key.clone(), found, expected: orders.clone() });
+            }
+        }
+        held = seen.len();
+        if stream == PAYMENTS {
+            payments = entries;
+        }
+    }
+    Ok((held, payments))
+}
+
+/// Every event keygate published (`keygate.events.>`) while the test ran,
+/// with when it arrived: what a failed order check prints about its key.
+/// Events go over core NATS, so those sent while nats-server was away are
+/// missing.
+#[derive(Clone, Default)]
+pub struct EventLog(Arc<Mutex<Vec<(Instant, Value)>>>);
+
+impl EventLog {
+    pub async fn record(nats_url: &str) -> Self {
+        let log = Self::default();
+        let nats = async_nats::connect(nats_url).await.unwrap();
+        let mut events = nats.subscribe("keygate.events.>").await.unwrap();
+        nats.flush().await.unwrap();
+        let kept = log.clone();
+        tokio::spawn(async move {
+            let _connection = nats;
+            while let Some(event) = events.next().await {
+                if let Ok(event) = serde_json::from_slice(&event.payload) {
+                    kept.0.lock().unwrap().push((Instant::now(), event));
+                }
+            }
+        });
+        log
+    }
+
+    /// With `KEYGATE_TEST_LOG_DIR` set (testkit/src/keygate.rs), writes
+    /// every event so far to `events.jsonl` there, beside the processes'
+    /// logs, each with its arrival in ms since the first.
+    pub fn keep_in_log_dir(&self) {
+        let Some(dir) = std::env::var_os("KEYGATE_TEST_LOG_DIR") else { return };
+        let events = self.0.lock().unwrap();
+        let Some(start) = events.first().map(|(at, _)| *at) else { return };
+        let lines: Vec<String> = events
+            .iter()
+            .map(|(at, event)| format!("{} {event}", at.saturating_duration_since(start).as_millis()))
+            .collect();
+        std::fs::write(std::path::Path::new(&dir).join("events.jsonl"), lines.join("\n")).unwrap();
+    }
+}
+
+/// What both stages did with `key`, one line each in time order (ms from
+/// the first): each webhook request (member, sequence, the order it
+/// carries, attempt, fencing token, answer), each verdict event of the
+/// key's messages (instance, attempt, reason), and each pin event of the
+/// stages' members; and where the key's orders landed in PAYMENTS and
+/// LEDGER.
+pub fn key_history(key: &str, requests: &[Recorded], events: &EventLog, outputs: &[(&str, Entries)]) -> String {
+    let order_of = |r: &Recorded| -> u64 {
+        match r.path.starts_with("/enrich") {
+            true => r.seq(),
+            false => serde_json::from_slice::<Value>(&r.body).ok().and_then(|b| b["order"].as_u64()).unwrap_or(0),
+        }
+    };
+    let mut lines: Vec<(Instant, String)> = Vec::new();
+    for r in requests.iter().filter(|r| r.key() == key) {
+        let answered = match r.answered {
+            Some(t) => format!("answered {} after {} ms", r.status, t.saturating_duration_since(r.at).as_millis()),
+            None => "never answered".to_owned(),
+        };
+        let line = format!(
+            "request {} seq {} (order {}) attempt {} fencing {}: {answered}",
+            r.path,
+            r.seq(),
+            order_of(r),
+            r.attempt(),
+            r.fencing()
+        );
+        lines.push((r.at, line));
+    }
+    // The key's stream sequences: its orders in ORDERS, its payments in PAYMENTS.
+    let seqs: HashSet<(&str, u64)> = requests
+        .iter()
+        .filter(|r| r.key() == key)
+        .map(|r| (if r.path.starts_with("/enrich") { "ORDERS" } else { PAYMENTS }, r.seq()))
+        .collect();
+    for (at, event) in events.0.lock().unwrap().iter() {
+        let stream = event["stream"].as_str().unwrap_or_default();
+        let kind = event["type"].as_str().unwrap_or_default();
+        let about_key = event["seq"].as_u64().is_some_and(|seq| seqs.contains(&(stream, seq)));
+        let pin = kind.starts_with("member.") && event["group"] != "socket";
+        if about_key || pin {
+            let mut fields = event.clone();
+            for noise in ["type", "time", "stream"] {
+                fields.as_object_mut().map(|o| o.remove(noise));
+            }
+            lines.push((*at, format!("event {kind} of {stream} {fields}")));
+        }
+    }
+    lines.sort_by_key(|(at, _)| *at);
+    let Some(start) = lines.first().map(|(at, _)| *at) else { return String::new() };
+    let mut history: Vec<String> = lines
+        .iter()
+        .map(|(at, line)| format!("  {} ms {line}", at.saturating_duration_since(start).as_millis()))
+        .collect();
+    for (stream, entries) in outputs {
+        let found: Vec<String> =
+            entries.get(key).into_iter().flatten().map(|(seq, order)| format!("{order}@{seq}")).collect();
+        history.push(format!("  {stream} holds (order@stream sequence): {}", found.join(" ")));
+    }
+    history.join("\n")
 }

@@ -109,13 +109,17 @@ impl Driver {
         let subject = reply.subject.to_string();
         match classify(reply.status, reply.description.as_deref(), reply.headers.as_ref()) {
             Reply::Message { pin } => {
-                if let Some(pin) = pin.filter(|_| self.joined.pinned) {
+                let pin = pin.filter(|_| self.joined.pinned);
+                // Sent under a pin this instance lost (it stepped down, or
+                // heard the pin move) before the server knew: the holder's.
+                let stale = pin.is_some() && pin == self.lost_pin;
+                if let Some(pin) = pin.filter(|_| !stale) {
                     if self.pin.id() != Some(pin.as_str()) {
                         self.gain_pin(pin).await;
                     }
                 }
                 self.pulls.message_arrived();
-                self.take(reply);
+                self.take(reply, stale);
             }
             Reply::Done => {
                 self.pulls.finish(&subject);
@@ -154,8 +158,8 @@ impl Driver {
 
     /// Offers a pulled message to its lane: its key's or its partition's
     /// for a member, its own for a subscriber (after the shuffle window
-    /// had its say).
-    fn take(&mut self, reply: async_nats::Message) {
+    /// had its say); one sent under a lost pin (`stale`) goes back.
+    fn take(&mut self, reply: async_nats::Message, stale: bool) {
         self.last_message = Instant::now();
         let keys = self.keys.as_ref();
         let partitioning = match &self.joined.dispatch {
@@ -185,6 +189,12 @@ impl Driver {
             tracing::info!(member = %who.member, consumer_seq,
                 "deliveries of the consumer went missing; holding until they are redelivered");
         }
+        if stale {
+            tokio::spawn(async move {
+                let _ = delivered.message.ack_with(AckKind::Nak(None)).await;
+            });
+            return;
+        }
         if let Some(s) = &mut self.shuffling {
             let allowed = s.share.current();
             if let Some(delay) = s.window.delay_first_delivery(&s.shuffle, allowed, delivered.attempt) {
@@ -213,7 +223,7 @@ impl Driver {
             // server's ack wait for it starts over (delivery/custody.rs).
             Offered::Duplicate => {
                 if let Some(custody) = state.lanes.in_flight_copy(&lane, stream_seq).and_then(|c| c.custody.as_ref()) {
-                    custody.kept_alive(Instant::now());
+                    custody.redelivered_here(Instant::now());
                 }
             }
             Offered::Held => {}

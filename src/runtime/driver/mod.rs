@@ -154,6 +154,9 @@ pub struct Driver {
     keys: Option<KeyLocator>,
     shuffling: Option<Shuffling>,
     pin: PinState,
+    /// The last pin id this instance lost: messages still arriving under
+    /// it go back to the server for the holder, and never pin it again.
+    lost_pin: Option<String>,
     last_message: Instant,
     /// When the server last answered anything (messages, timeouts).
     last_reply: Instant,
@@ -243,6 +246,7 @@ impl Driver {
             keys,
             shuffling,
             pin: PinState::default(),
+            lost_pin: None,
             last_message: Instant::now(),
             last_reply: Instant::now(),
             pulls,

@@ -137,6 +137,9 @@ impl Driver {
     }
 
     pub(super) fn lose_pin(&mut self, why: &str) {
+        if let Some(id) = self.pin.id() {
+            self.lost_pin = Some(id.to_owned());
+        }
         self.pin.lose();
         self.seek_every = super::PIN_CHECK;
         self.next_seek = Instant::now();
@@ -241,6 +244,15 @@ impl Driver {
         let Ok(handle) = self.ctx().broker.js.get_stream_no_info(&self.joined.stream_name).await else { return };
         let Ok(info) = handle.consumer_info(&self.joined.consumer).await else { return };
         if barrier {
+            if pinned_to_someone(&info) && !pinned_here(&info, self.pin.id()) {
+                // The server pins another client: this instance lost the pin
+                // without hearing it (a message under its old pin id came
+                // after it stepped down, or the pin moved while it was
+                // starved). What it holds goes to the holder now; kept
+                // here, and kept alive, it would hold up that holder's barrier.
+                self.lose_pin("the server pins another client");
+                return;
+            }
             let answer = Answer {
                 num_ack_pending: info.num_ack_pending,
                 delivered: info.delivered.stream_sequence,
