@@ -219,6 +219,10 @@ pub struct Lanes<M> {
     /// How many messages ever left what this instance holds, delivers or
     /// awaits (settled, forgotten, handed back).
     departures: u64,
+    /// The pin was lost (`release_held`) and not gained since: messages
+    /// still in flight are tracked until their delivery ends, then leave
+    /// whatever the verdict, since the next holder has them.
+    released: bool,
 }
 
 impl<M> Default for Lanes<M> {
@@ -240,6 +244,7 @@ impl<M> Lanes<M> {
             barrier: false,
             ordered: true,
             departures: 0,
+            released: false,
         }
     }
 
@@ -344,22 +349,27 @@ impl<M: Clone> Lanes<M> {
         batch
     }
 
-    /// Records how an in-flight message ended.
-    pub fn settle(&mut self, id: &LaneId, seq: u64, settled: Settled) {
-        let Some(lane) = self.lanes.get_mut(id) else { return };
+    /// Records how an in-flight message ended. Returns a message to give
+    /// back to the server (NAK): one returned unsettled after the pin was
+    /// lost, which the next holder must have.
+    pub fn settle(&mut self, id: &LaneId, seq: u64, settled: Settled) -> Option<M> {
+        let lane = self.lanes.get_mut(id)?;
         let message = lane.in_flight.remove(&seq);
         if message.is_some() {
             self.in_flight -= 1;
-            // A NAK'd message stays awaited (ordered lanes), a returned one held.
-            let stays = match settled {
-                Settled::Naked { .. } => self.ordered,
-                Settled::Returned => true,
-                Settled::Done(_) => false,
-            };
+            // A NAK'd message stays awaited (ordered lanes), a returned one
+            // held, unless the pin was lost meanwhile.
+            let stays = !self.released
+                && match settled {
+                    Settled::Naked { .. } => self.ordered,
+                    Settled::Returned => true,
+                    Settled::Done(_) => false,
+                };
             if !stays {
                 self.departures += 1;
             }
         }
+        let mut give_back = None;
         match settled {
             Settled::Done(how) => {
                 self.settlements.entry(id.partition).or_default().remember(seq, how);
@@ -367,7 +377,12 @@ impl<M: Clone> Lanes<M> {
                     lane.blocked = None;
                 }
             }
-            Settled::Naked { .. } if !self.ordered => {}
+            // Awaited after the pin was lost, it would be counted by the
+            // handover barrier when the pin comes back, though the holder
+            // in between may have settled it: the barrier would then fall
+            // while a message is still out elsewhere.
+            Settled::Naked { .. } if !self.ordered || self.released => {}
+            Settled::Returned if self.released => give_back = message,
             Settled::Naked { attempts, error } => {
                 if let Some(message) = message {
                     lane.awaiting.insert(seq, message);
@@ -386,6 +401,7 @@ impl<M: Clone> Lanes<M> {
             }
         }
         self.refresh(id);
+        give_back
     }
 
     /// Lists or unlists a lane as ready, and forgets it once empty.
@@ -524,7 +540,14 @@ impl<M: Clone> Lanes<M> {
         self.departures += released.len() as u64;
         self.ready.clear();
         self.lanes.retain(|_, lane| !lane.is_empty());
+        self.released = true;
         released
+    }
+
+    /// The pin was gained: what arrives and what is NAK'd is this
+    /// instance's to deliver again.
+    pub fn hold_again(&mut self) {
+        self.released = false;
     }
 
     /// The copy of `seq` in flight in lane `id`, if it is.
@@ -901,6 +924,33 @@ mod tests {
         assert_eq!(lanes.awaiting(), 0);
         assert!(lanes.blocked().is_empty());
         assert!(lanes.dispatch().is_empty());
+    }
+
+    #[test]
+    fn after_the_pin_is_lost_in_flight_messages_leave_whatever_their_verdict() {
+        let mut lanes = Lanes::default();
+        for seq in 1..=3 {
+            lanes.offer(k(0, &seq.to_string()), seq, seq);
+        }
+        lanes.dispatch();
+        lanes.release_held();
+        let departed = lanes.departures();
+        // A NAK'd one is not awaited: the holder may settle it meanwhile,
+        // and counted here it would lower a later barrier too early.
+        assert_eq!(lanes.settle(&k(0, "1"), 1, naked()), None);
+        assert_eq!(lanes.awaiting(), 0);
+        assert!(lanes.blocked().is_empty());
+        // A returned one (a batch's) goes back to the server.
+        assert_eq!(lanes.settle(&k(0, "2"), 2, Settled::Returned), Some(2));
+        assert_eq!(lanes.settle(&k(0, "3"), 3, Settled::Done(Settlement::Acked)), None);
+        assert_eq!(lanes.holding(), 0);
+        assert_eq!(lanes.departures(), departed + 3);
+        // Pinned again, a NAK'd message is awaited as before.
+        lanes.hold_again();
+        lanes.offer(k(0, "4"), 4, 4);
+        lanes.dispatch();
+        lanes.settle(&k(0, "4"), 4, naked());
+        assert_eq!(lanes.awaiting(), 1);
     }
 
     #[test]

@@ -46,9 +46,9 @@ impl Driver {
         // subscriber keeps no order, so it has none to protect.
         {
             let mut state = self.shared.lock();
-            if self.target.is_member() {
-                state.lanes.set_barrier(true);
-            }
+            state.lanes.hold_again();
+            // A step-down left the barrier up; a subscriber never waits behind it.
+            state.lanes.set_barrier(self.target.is_member());
             self.shared.serving.store(true, Ordering::Relaxed);
         }
         self.raise_fencing_token().await;
@@ -77,9 +77,19 @@ impl Driver {
         let Ok(handle) = self.ctx().broker.js.get_stream_no_info(&self.joined.stream_name).await else { return };
         self.hold_pulls_until = Some(Instant::now() + hold);
         let group = self.joined.priority_group.as_deref().unwrap_or_default();
+        // Nothing more goes out while the server is asked: once it unpins,
+        // the next holder may be pinned before the answer comes back here,
+        // and this instance must not be delivering then.
+        let barrier_was = {
+            let mut state = self.shared.lock();
+            let was = state.lanes.barrier();
+            state.lanes.set_barrier(true);
+            was
+        };
         if let Err(e) = handle.unpin_consumer(&self.joined.consumer, group).await {
             tracing::debug!(error = %e, "stepping down for a rebalance failed");
             self.hold_pulls_until = None;
+            self.shared.lock().lanes.set_barrier(barrier_was);
             return;
         }
         self.lose_pin(why);

@@ -271,7 +271,11 @@ fn announce(shared: &LaneShared, events: Vec<Event>, gone: bool) {
 fn settle_and_report(shared: &LaneShared, state: &mut LaneState, lane: &LaneId, seq: u64, settled: Settled) {
     let naked = matches!(settled, Settled::Naked { .. });
     let was_blocked = state.lanes.blocked_lane(lane).is_some();
-    state.lanes.settle(lane, seq, settled);
+    if let Some(held) = state.lanes.settle(lane, seq, settled) {
+        tokio::spawn(async move {
+            let _ = held.message.ack_with(AckKind::Nak(None)).await;
+        });
+    }
     let blocked = state.lanes.blocked_lane(lane).cloned();
     let about = shared.ctx.about(&shared.who);
     if naked && !state.blocked_reported.contains(lane) {
