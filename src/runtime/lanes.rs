@@ -219,7 +219,7 @@ pub struct Lanes<M> {
     /// How many messages ever left what this instance holds, delivers or
     /// awaits (settled, forgotten, handed back).
     departures: u64,
-    /// The pin was lost (`release_held`) and not gained since: messages
+    /// The pin was lost (`let_go`) and not gained since: messages
     /// still in flight are tracked until their delivery ends, then leave
     /// whatever the verdict, since the next holder has them.
     released: bool,
@@ -540,8 +540,16 @@ impl<M: Clone> Lanes<M> {
         self.departures += released.len() as u64;
         self.ready.clear();
         self.lanes.retain(|_, lane| !lane.is_empty());
-        self.released = true;
         released
+    }
+
+    /// The pin was lost: what is held goes back (`release_held`), and
+    /// what is in flight leaves when its delivery ends, whatever the
+    /// verdict, until `hold_again`. (A holder handing back what its
+    /// barrier found surplus keeps awaiting what it NAKs.)
+    pub fn let_go(&mut self) -> Vec<M> {
+        self.released = true;
+        self.release_held()
     }
 
     /// The pin was gained: what arrives and what is NAK'd is this
@@ -933,7 +941,7 @@ mod tests {
             lanes.offer(k(0, &seq.to_string()), seq, seq);
         }
         lanes.dispatch();
-        lanes.release_held();
+        lanes.let_go();
         let departed = lanes.departures();
         // A NAK'd one is not awaited: the holder may settle it meanwhile,
         // and counted here it would lower a later barrier too early.
@@ -947,10 +955,15 @@ mod tests {
         assert_eq!(lanes.departures(), departed + 3);
         // Pinned again, a NAK'd message is awaited as before.
         lanes.hold_again();
+        lanes.offer(k(0, "5"), 5, 5);
+        lanes.dispatch();
+        lanes.release_held();
+        lanes.settle(&k(0, "5"), 5, naked());
+        assert_eq!(lanes.awaiting(), 1, "a barrier's hand-back is no lost pin");
         lanes.offer(k(0, "4"), 4, 4);
         lanes.dispatch();
         lanes.settle(&k(0, "4"), 4, naked());
-        assert_eq!(lanes.awaiting(), 1);
+        assert_eq!(lanes.awaiting(), 2);
     }
 
     #[test]

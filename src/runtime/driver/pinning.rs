@@ -160,7 +160,7 @@ impl Driver {
             let mut state = self.shared.lock();
             self.shared.serving.store(false, Ordering::Relaxed);
             state.blocked_reported.clear();
-            state.lanes.release_held()
+            state.lanes.let_go()
         };
         hand_back(released);
         count_pin_change(self.who(), "lost");
