@@ -219,10 +219,10 @@ pub struct Lanes<M> {
     /// How many messages ever left what this instance holds, delivers or
     /// awaits (settled, forgotten, handed back).
     departures: u64,
-    /// The pin was lost (`let_go`) and not gained since: messages
-    /// still in flight are tracked until their delivery ends, then leave
-    /// whatever the verdict, since the next holder has them.
-    released: bool,
+    /// Messages in flight when the pin was lost (`let_go`): tracked until
+    /// their delivery ends, then they leave whatever the verdict, since
+    /// the next holder has them (even if the pin has come back since).
+    let_go: BTreeSet<u64>,
 }
 
 impl<M> Default for Lanes<M> {
@@ -244,7 +244,7 @@ impl<M> Lanes<M> {
             barrier: false,
             ordered: true,
             departures: 0,
-            released: false,
+            let_go: BTreeSet::new(),
         }
     }
 
@@ -355,11 +355,12 @@ impl<M: Clone> Lanes<M> {
     pub fn settle(&mut self, id: &LaneId, seq: u64, settled: Settled) -> Option<M> {
         let lane = self.lanes.get_mut(id)?;
         let message = lane.in_flight.remove(&seq);
+        let let_go = self.let_go.remove(&seq);
         if message.is_some() {
             self.in_flight -= 1;
             // A NAK'd message stays awaited (ordered lanes), a returned one
             // held, unless the pin was lost meanwhile.
-            let stays = !self.released
+            let stays = !let_go
                 && match settled {
                     Settled::Naked { .. } => self.ordered,
                     Settled::Returned => true,
@@ -381,8 +382,8 @@ impl<M: Clone> Lanes<M> {
             // handover barrier when the pin comes back, though the holder
             // in between may have settled it: the barrier would then fall
             // while a message is still out elsewhere.
-            Settled::Naked { .. } if !self.ordered || self.released => {}
-            Settled::Returned if self.released => give_back = message,
+            Settled::Naked { .. } if !self.ordered || let_go => {}
+            Settled::Returned if let_go => give_back = message,
             Settled::Naked { attempts, error } => {
                 if let Some(message) = message {
                     lane.awaiting.insert(seq, message);
@@ -545,17 +546,12 @@ impl<M: Clone> Lanes<M> {
 
     /// The pin was lost: what is held goes back (`release_held`), and
     /// what is in flight leaves when its delivery ends, whatever the
-    /// verdict, until `hold_again`. (A holder handing back what its
-    /// barrier found surplus keeps awaiting what it NAKs.)
+    /// verdict. (A holder handing back what its barrier found surplus
+    /// keeps awaiting what it NAKs.)
     pub fn let_go(&mut self) -> Vec<M> {
-        self.released = true;
+        let in_flight: Vec<u64> = self.lanes.values().flat_map(|l| l.in_flight.keys().copied()).collect();
+        self.let_go.extend(in_flight);
         self.release_held()
-    }
-
-    /// The pin was gained: what arrives and what is NAK'd is this
-    /// instance's to deliver again.
-    pub fn hold_again(&mut self) {
-        self.released = false;
     }
 
     /// The copy of `seq` in flight in lane `id`, if it is.
@@ -953,8 +949,7 @@ mod tests {
         assert_eq!(lanes.settle(&k(0, "3"), 3, Settled::Done(Settlement::Acked)), None);
         assert_eq!(lanes.holding(), 0);
         assert_eq!(lanes.departures(), departed + 3);
-        // Pinned again, a NAK'd message is awaited as before.
-        lanes.hold_again();
+        // What is dispatched after (the pin came back) is awaited as before.
         lanes.offer(k(0, "5"), 5, 5);
         lanes.dispatch();
         lanes.release_held();
@@ -964,6 +959,16 @@ mod tests {
         lanes.dispatch();
         lanes.settle(&k(0, "4"), 4, naked());
         assert_eq!(lanes.awaiting(), 2);
+        // One in flight when the pin was lost and still out when it came
+        // back leaves all the same; one sent since is awaited.
+        lanes.offer(k(1, "6"), 6, 6);
+        lanes.dispatch();
+        lanes.let_go();
+        lanes.offer(k(1, "7"), 7, 7);
+        lanes.dispatch();
+        lanes.settle(&k(1, "6"), 6, naked());
+        lanes.settle(&k(1, "7"), 7, naked());
+        assert_eq!(lanes.awaiting(), 1);
     }
 
     #[test]

@@ -46,7 +46,6 @@ impl Driver {
         // subscriber keeps no order, so it has none to protect.
         {
             let mut state = self.shared.lock();
-            state.lanes.hold_again();
             // A step-down left the barrier up; a subscriber never waits behind it.
             state.lanes.set_barrier(self.target.is_member());
             self.shared.serving.store(true, Ordering::Relaxed);
